@@ -1,0 +1,37 @@
+"""The `prefixpool` console script: one subcommand per user-facing entry point.
+
+Each subcommand lives in its own module and exposes `add_arguments(parser)`
+and `run(args) -> int`; this file only maps names to modules, so importing the
+CLI stays cheap (a subcommand's heavy imports happen when it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module defining add_arguments and run, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "version": ("cluster.version", "print the version and the hash scheme"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixpool", description="A distributed prefix-cache pool for LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(command)
+        command.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

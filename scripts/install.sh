@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install prefixpool and everything its tests and benchmarks use into ./.venv.
+# Idempotent: a second run only checks. EXTRAS picks the optional parts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${EXTRAS:-dev,ucx,ray,bench}"
+
+# Mooncake's transfer engine (the benchmark peer) needs these shared libraries.
+if [[ ",$EXTRAS," == *",bench,"* ]] && ! ldconfig -p | grep -q libibverbs.so.1; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null
+  else
+    echo "note: install libibverbs1 librdmacm1 libnuma1 for the Mooncake benchmark" >&2
+  fi
+fi
+
+[[ -x .venv/bin/python ]] || python3 -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+# The CPU build of torch; an unpinned torch resolves to a multi-GB CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+.venv/bin/pip install -q -e ".[$EXTRAS]"

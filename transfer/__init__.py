@@ -1,0 +1,4 @@
+"""Moving KV blocks between nodes: one framed protocol over TCP and UCX.
+
+Imports only `store`.
+"""
