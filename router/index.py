@@ -55,20 +55,18 @@ class BlockIndex:
     def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]:
         """Per node, how many keys from keys[0] on it holds consecutively (nodes with 0 omitted)."""
         matched: dict[str, int] = {}
-        alive: set[str] | None = None
+        alive: set[str] = set()
         for position, key in enumerate(keys):
-            nodes = self.holders.get(key)
-            if not nodes:
-                break
-            now = set(nodes) if alive is None else alive.intersection(nodes)
-            for node_id in (alive or set()) - now:
+            nodes = self.holders.get(key, {})
+            now = set(nodes) if position == 0 else alive.intersection(nodes)
+            for node_id in alive - now:
                 matched[node_id] = position
             alive = now
             if not alive:
-                break
-        for node_id in alive or ():
+                return matched
+        for node_id in alive:
             matched[node_id] = len(keys)
-        return {node_id: n for node_id, n in matched.items() if n > 0}
+        return matched
 
     def check_integrity(self) -> None:
         for key, nodes in self.holders.items():
