@@ -19,6 +19,7 @@ import tracemalloc
 import numpy as np
 import xxhash
 
+from store import keys
 from store.keys import Namespace, chain, pack_tokens
 from store.pool import BlockPool
 
@@ -43,12 +44,17 @@ def naive_chain(tokens: list[int], namespace: Namespace) -> list[bytes]:
 
 def bench_hash(num_tokens: int) -> None:
     namespace = Namespace("bench")
-    tokens = np.random.default_rng(0).integers(0, 128_000, num_tokens)
+    tokens = np.random.default_rng(0).integers(0, 128_000, num_tokens, dtype=np.int32)
     token_list = tokens.tolist()
     packed = pack_tokens(tokens)
+    root = namespace.root()
+    loop = "C" if keys._chain_from_c else "Python"
     rows = [
         ("floor: xxh3_128 of all bytes, one call", best_of(lambda: xxhash.xxh3_128_digest(packed))),
-        ("prefixpool chain (bulk pack + chained digests)", best_of(lambda: chain(tokens, namespace))),
+        (f"chain loop only ({loop}), tokens already packed", best_of(lambda: keys.chain_from(root, packed, namespace.block_size))),
+        ("prefixpool chain(), int32 ndarray in", best_of(lambda: chain(tokens, namespace))),
+        ("prefixpool chain(), Python list in", best_of(lambda: chain(token_list, namespace))),
+        ("pure-Python chain loop, tokens already packed", best_of(lambda: keys.chain_from_python(root, packed, namespace.block_size))),
         ("naive per-block Python loop", best_of(lambda: naive_chain(token_list, namespace), repeat=2)),
     ]
     assert chain(tokens, namespace) == naive_chain(token_list, namespace)

@@ -8,7 +8,7 @@ EXTRAS="${EXTRAS:-dev,ucx,ray,bench}"
 # Mooncake's transfer engine (the benchmark peer) needs these shared libraries.
 if [[ ",$EXTRAS," == *",bench,"* ]] && ! ldconfig -p | grep -q libibverbs.so.1; then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null
+    apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 libxxhash-dev >/dev/null
   else
     echo "note: install libibverbs1 librdmacm1 libnuma1 for the Mooncake benchmark" >&2
   fi

@@ -21,6 +21,8 @@ HASH_SCHEME_VERSION = 1
 KEY_BYTES = 16
 
 _digest = xxhash.xxh3_128_digest
+_INT32 = np.dtype("<i4")
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 # A 16-byte chained block hash. A NewType, not a subclass: wrapping each key in
@@ -63,10 +65,16 @@ class Namespace:
 
 def pack_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
     """All tokens as little-endian int32 in one bulk conversion."""
-    array = np.asarray(tokens)
-    if array.size and (array.min() < -(2**31) or array.max() >= 2**31):
-        raise ValueError("token ids must fit in int32")
-    return array.astype("<i4", copy=False).tobytes()
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype == _INT32:
+            return tokens.tobytes()
+        if tokens.size and (tokens.min() < _INT32_MIN or tokens.max() > _INT32_MAX):
+            raise ValueError("token ids must fit in int32")
+        return tokens.astype(_INT32).tobytes()
+    try:
+        return np.array(tokens, dtype=_INT32).tobytes()
+    except OverflowError as err:
+        raise ValueError("token ids must fit in int32") from err
 
 
 def chain(tokens: Sequence[int] | np.ndarray, namespace: Namespace) -> list[BlockKey]:
@@ -74,8 +82,8 @@ def chain(tokens: Sequence[int] | np.ndarray, namespace: Namespace) -> list[Bloc
     return chain_from(namespace.root(), pack_tokens(tokens), namespace.block_size)
 
 
-def chain_from(parent: bytes, packed: bytes, block_size: int) -> list[BlockKey]:
-    """Continue a chain from `parent` over packed int32 tokens (full blocks only)."""
+def chain_from_python(parent: bytes, packed: bytes, block_size: int) -> list[BlockKey]:
+    """The chain loop in plain Python: the reference the C loop is tested against."""
     step = block_size * 4
     end = len(packed) - len(packed) % step
     keys: list[BlockKey] = []
@@ -84,6 +92,15 @@ def chain_from(parent: bytes, packed: bytes, block_size: int) -> list[BlockKey]:
         parent = digest(parent + packed[offset : offset + step])
         append(parent)
     return keys
+
+
+try:  # the same loop in C (setup.py builds it where libxxhash-dev is present)
+    from store._chain import chain_from as _chain_from_c
+except ImportError:  # pragma: no cover - depends on the build machine
+    _chain_from_c = None
+
+chain_from = _chain_from_c or chain_from_python
+"""Continue a chain from `parent` over packed int32 tokens (full blocks only)."""
 
 
 def chain_ids(ids: Iterable[int], namespace: Namespace) -> list[BlockKey]:

@@ -98,3 +98,13 @@ def test_keys_agree_across_processes():
         for seed in ("1", "2")
     }
     assert outputs == {",".join(k.hex() for k in chain(list(range(5000)), NS))}
+
+
+def test_c_chain_loop_is_built_and_agrees_with_python():
+    # scripts/install.sh installs libxxhash-dev, so the fast path must exist wherever the tests run.
+    from store import keys
+
+    assert keys._chain_from_c is not None, "store._chain was not built (needs gcc and libxxhash-dev)"
+    packed = pack_tokens(np.random.default_rng(1).integers(0, 2**31 - 1, 16 * 300 + 5))
+    for block_size in (1, 16, 512):
+        assert keys._chain_from_c(NS.root(), packed, block_size) == keys.chain_from_python(NS.root(), packed, block_size)
