@@ -5,12 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${EXTRAS:-dev,ucx,ray,bench}"
 
-# Mooncake's transfer engine (the benchmark peer) needs these shared libraries.
-if [[ ",$EXTRAS," == *",bench,"* ]] && ! ldconfig -p | grep -q libibverbs.so.1; then
+# Debian packages: libxxhash-dev builds the C chain loop (store/_chain.c);
+# Mooncake's transfer engine (the benchmark peer) needs the RDMA/NUMA libraries.
+if [[ ! -f /usr/include/xxhash.h ]] || ! ldconfig -p | grep -q libibverbs.so.1; then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 libxxhash-dev >/dev/null
+    apt-get update -qq && apt-get install -y -qq libxxhash-dev libibverbs1 librdmacm1 libnuma1 >/dev/null
   else
-    echo "note: install libibverbs1 librdmacm1 libnuma1 for the Mooncake benchmark" >&2
+    echo "note: install libxxhash-dev libibverbs1 librdmacm1 libnuma1 (Debian) for the full build" >&2
   fi
 fi
 
