@@ -1,0 +1,41 @@
+"""The router's Prometheus metrics, one registry per router (no process globals).
+
+Knows nothing of HTTP handlers; they call the `observe_*` methods.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("prefixpool_requests", "Requests answered, by endpoint and status", ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("prefixpool_ttft_seconds", "Time to first token seen by the router", buckets=TTFT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("prefixpool_prompt_tokens", "Prompt tokens received", registry=r)
+        self.cached_tokens = Counter("prefixpool_cached_tokens", "Prompt tokens not recomputed (local hit or fetched)", registry=r)
+        self.fetched_tokens = Counter("prefixpool_fetched_tokens", "Prompt tokens whose KV was fetched from a peer", registry=r)
+        self.fetched_bytes = Counter("prefixpool_fetched_bytes", "KV bytes moved between workers", registry=r)
+        self.hit_fraction = Histogram("prefixpool_hit_fraction", "Per-request fraction of prompt tokens not recomputed", buckets=FRACTION_BUCKETS, registry=r)
+        self.retries = Counter("prefixpool_retries", "Requests retried on another worker", registry=r)
+        self.inflight = Gauge("prefixpool_worker_inflight", "Requests in flight per worker", ["worker"], registry=r)
+        self.queued_tokens = Gauge("prefixpool_worker_queued_prefill_tokens", "Prefill tokens queued per worker", ["worker"], registry=r)
+        self.workers = Gauge("prefixpool_workers", "Workers registered in etcd", registry=r)
+        self.index_keys = Gauge("prefixpool_index_keys", "Block keys in the router's index mirror", registry=r)
+        self.mirror_lag = Gauge("prefixpool_mirror_lag_seconds", "Seconds since the mirror last applied an etcd event", registry=r)
+
+    def observe_usage(self, prompt_tokens: int, cached_tokens: int, fetched_tokens: int, fetched_bytes: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self.fetched_tokens.inc(fetched_tokens)
+        self.fetched_bytes.inc(fetched_bytes)
+        if prompt_tokens:
+            self.hit_fraction.observe(cached_tokens / prompt_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

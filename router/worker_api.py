@@ -1,0 +1,90 @@
+"""The router <-> worker wire format: one module both sides import.
+
+    POST {worker}/generate  GenerateRequest (JSON)
+      <- NDJSON stream: Token, Token, ..., then exactly one Done or Failed
+
+The plan is a hint: the worker matches its own pool first and the peer
+re-checks what it still holds, so stale routing costs a recompute, not an
+error. Knows nothing of HTTP servers, engines or etcd.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+AUTH_HEADER = "X-Prefixpool-Token"
+
+
+class FetchPlan(msgspec.Struct, frozen=True):
+    """Fetch blocks [start, end) of the request's chain from `peer`."""
+
+    peer: str
+    transfer_url: str
+    start: int
+    end: int
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    tokens: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    cache_salt: str = ""
+    fetch: FetchPlan | None = None
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    local_hit_tokens: int
+    fetched_tokens: int
+    computed_tokens: int
+    fetched_bytes: int
+    ttft_s: float
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens not recomputed (the OpenAI `cached_tokens`)."""
+        return self.local_hit_tokens + self.fetched_tokens
+
+
+class Token(msgspec.Struct, frozen=True, tag="token"):
+    token: int
+
+
+class Done(msgspec.Struct, frozen=True, tag="done"):
+    finish_reason: str
+    usage: Usage
+
+
+class Failed(msgspec.Struct, frozen=True, tag="failed"):
+    message: str
+    status: int = 500
+
+
+Event = Token | Done | Failed
+
+
+class WorkerLoad(msgspec.Struct, frozen=True):
+    num_queued: int
+    num_running: int
+    num_free_blocks: int
+    prefill_tokens_per_s: float
+
+
+_encoder = msgspec.json.Encoder()
+_event_decoder = msgspec.json.Decoder(Event)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event) + b"\n"
+
+
+def decode_event(line: bytes) -> Event:
+    return _event_decoder.decode(line)
