@@ -1,0 +1,77 @@
+"""Work the router has in flight per worker: the load term of every routing decision.
+
+    begin(worker, prefill_tokens) -> ticket   (queued: counts toward queue wait)
+    started(ticket)                           (first token seen: prefill done, now decoding)
+    end(ticket)                               (finished, failed or cancelled)
+
+The router counts its own requests instead of polling workers, so a burst
+of arrivals sees the load it is creating. Knows nothing of HTTP or etcd.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class WorkerInflight:
+    queued_prefill_tokens: int = 0
+    num_queued: int = 0
+    num_running: int = 0
+
+
+@dataclass(slots=True)
+class _Ticket:
+    worker: str
+    prefill_tokens: int
+    started: bool = False
+
+
+@dataclass
+class InflightTracker:
+    _workers: dict[str, WorkerInflight] = field(default_factory=dict)
+    _tickets: dict[int, _Ticket] = field(default_factory=dict)
+    _ids: itertools.count = field(default_factory=itertools.count)
+
+    def begin(self, worker: str, prefill_tokens: int) -> int:
+        ticket_id = next(self._ids)
+        self._tickets[ticket_id] = _Ticket(worker, prefill_tokens)
+        load = self._workers.setdefault(worker, WorkerInflight())
+        load.queued_prefill_tokens += prefill_tokens
+        load.num_queued += 1
+        return ticket_id
+
+    def started(self, ticket_id: int) -> None:
+        ticket = self._tickets[ticket_id]
+        if ticket.started:
+            return
+        ticket.started = True
+        load = self._workers[ticket.worker]
+        load.queued_prefill_tokens -= ticket.prefill_tokens
+        load.num_queued -= 1
+        load.num_running += 1
+
+    def end(self, ticket_id: int) -> None:
+        ticket = self._tickets.pop(ticket_id)
+        load = self._workers[ticket.worker]
+        if ticket.started:
+            load.num_running -= 1
+        else:
+            load.queued_prefill_tokens -= ticket.prefill_tokens
+            load.num_queued -= 1
+
+    def load_of(self, worker: str) -> WorkerInflight:
+        return self._workers.get(worker, WorkerInflight())
+
+    def check_integrity(self) -> None:
+        expected: dict[str, WorkerInflight] = {}
+        for ticket in self._tickets.values():
+            load = expected.setdefault(ticket.worker, WorkerInflight())
+            if ticket.started:
+                load.num_running += 1
+            else:
+                load.num_queued += 1
+                load.queued_prefill_tokens += ticket.prefill_tokens
+        for worker, load in self._workers.items():
+            assert load == expected.get(worker, WorkerInflight()), f"{worker}: {load} != {expected.get(worker)}"
