@@ -1,0 +1,91 @@
+"""Kubernetes manifests: every overlay renders, validates strictly, and passes only settings the CLI accepts."""
+
+import dataclasses
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from cluster.cli import build_parser
+from cluster.router_settings import RouterSettings
+from cluster.settings import env_name
+from cluster.worker_settings import WorkerSettings
+
+MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
+OVERLAYS = ["base", "overlays/cpu", "overlays/kuberay"]
+SETTINGS_OF = {"worker": WorkerSettings, "router": RouterSettings, "ray": RouterSettings}
+# Variables the image itself or Kubernetes' downward API needs, not prefixpool settings.
+NOT_SETTINGS = {"POD_NAME"}
+
+
+def render(overlay: str) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed to render the kustomize overlays"
+    out = subprocess.run([kubectl, "kustomize", str(MANIFESTS / overlay)], check=True, capture_output=True, text=True)
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def env_names(settings) -> set[str]:
+    return {env_name(f.name) for f in dataclasses.fields(settings)}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_and_validates_strictly(overlay):
+    docs = render(overlay)
+    kinds = {d["kind"] for d in docs}
+    assert {"ConfigMap", "StatefulSet", "Service"} <= kinds
+    for doc in docs:
+        if doc["apiVersion"] == "ray.io/v1":
+            assert doc["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+            continue
+        kubernetes_validate.validate(doc, "1.37", strict=True)
+
+
+def test_base_has_what_the_issue_names():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render("base")}
+    etcd = docs[("StatefulSet", "etcd")]
+    assert etcd["spec"]["replicas"] == 3 and etcd["spec"]["volumeClaimTemplates"]
+    assert docs[("Service", "etcd")]["spec"]["clusterIP"] == "None"
+    worker = docs[("StatefulSet", "worker")]["spec"]["template"]["spec"]
+    container = worker["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz" and container["livenessProbe"]
+    assert worker["terminationGracePeriodSeconds"] >= 10
+    router = docs[("Deployment", "router")]
+    assert router["spec"]["replicas"] >= 2
+    assert ("Service", "router") in docs
+
+
+def containers(docs):
+    for doc in docs:
+        spec = doc.get("spec", {})
+        templates = [spec.get("template")] + [spec.get("headGroupSpec", {}).get("template")]
+        templates += [g.get("template") for g in spec.get("workerGroupSpecs", [])]
+        for template in filter(None, templates):
+            yield from template["spec"]["containers"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_flag_and_variable_is_one_the_cli_accepts(overlay):
+    docs = render(overlay)
+    config_maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    parser = build_parser()
+    checked = 0
+    for container in containers(docs):
+        if container["image"].split(":")[0] != "prefixpool":
+            continue
+        args = container.get("args", [])
+        component = args[0] if args else "worker"  # Ray nodes run worker actors
+        settings = SETTINGS_OF[component]
+        names = {e["name"] for e in container.get("env", [])}
+        for source in container.get("envFrom", []):
+            names |= set(config_maps[source["configMapRef"]["name"]])
+        unknown = names - env_names(settings) - NOT_SETTINGS
+        assert not unknown, f"{container['name']}: {sorted(unknown)} are not {component} settings"
+        if args:
+            parser.parse_args(args)  # exits (SystemExit) on an unknown flag
+        checked += 1
+    assert checked >= 1
