@@ -22,7 +22,8 @@ from router.errors import InvalidRequest, ModelNotFound, ServiceUnavailable, Una
 from router.inflight import InflightTracker
 from router.metrics import RouterMetrics
 from router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_tokens
-from router.policy import POLICIES, CostModel, NodeLoad, Plan, RouteRequest
+from router.cost_model import CostModel
+from router.policy import NodeLoad, Plan, RouteRequest, policies
 from router.worker_api import Done, Failed, FetchPlan, GenerateRequest, Token
 from router.worker_client import WorkerClient, WorkerUnreachable
 from store.keys import BlockKey, Namespace, chain
@@ -77,8 +78,9 @@ class RouterConfig:
 class Router:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, view: ClusterView, client: WorkerClient,
                  costs: CostModel, metrics: RouterMetrics | None = None, rng: random.Random | None = None) -> None:
-        if config.policy not in POLICIES:
-            raise ValueError(f"unknown policy {config.policy!r}; choose from {sorted(POLICIES)}")
+        available = policies()
+        if config.policy not in available:
+            raise ValueError(f"unknown policy {config.policy!r}; choose from {sorted(available)}")
         self.config = config
         self.model = config.model
         self.tokenizer = tokenizer
@@ -88,7 +90,7 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.inflight = InflightTracker()
         self.rng = rng or random.Random(0)
-        self._choose: Callable[..., Plan] = POLICIES[config.policy]
+        self._choose: Callable[..., Plan] = available[config.policy]
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -1,0 +1,164 @@
+"""Routing policies: pure functions from (request, matches, loads, costs) to a Plan.
+
+    cost           min over workers of  queue wait + prefill of what it must compute
+                                        + transfer of what it can fetch from a peer
+    cost_local     the same, never fetching (each node only reuses its own cache)
+    least_load     fewest queued prefill tokens, then fewest running
+    longest_prefix most locally matched blocks, load ignored (piles up on hot prefixes)
+    round_robin    rotate through workers
+    random         uniform
+
+`matches` maps node -> blocks it holds consecutively from the first key
+(router.index.BlockIndex.longest_prefix); `loads` has one entry per candidate
+worker and defines the candidates. The live router and the trace simulator
+call the same functions. Knows nothing of HTTP, etcd or the engine.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from router.cost_model import CostModel
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    num_prompt_tokens: int
+    num_blocks: int  # full blocks of the prompt (keys)
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    queued_prefill_tokens: int = 0
+    num_running: int = 0
+
+
+@dataclass(frozen=True)
+class Terms:
+    """Predicted TTFT of one candidate, term by term."""
+
+    worker: str
+    local_blocks: int
+    fetch_from: str | None
+    fetch_blocks: int
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.prefill_s + self.transfer_s
+
+
+@dataclass(frozen=True)
+class Plan:
+    worker: str
+    fetch_from: str | None
+    fetch_start: int
+    fetch_end: int
+    local_blocks: int
+    prefill_tokens: int
+    predicted_ttft_s: float
+    candidates: tuple[Terms, ...] = field(default=())
+
+    def explain(self) -> dict:
+        return {
+            "worker": self.worker,
+            "fetch": None if self.fetch_from is None else
+            {"from": self.fetch_from, "start_block": self.fetch_start, "end_block": self.fetch_end},
+            "local_blocks": self.local_blocks,
+            "prefill_tokens": self.prefill_tokens,
+            "predicted_ttft_s": self.predicted_ttft_s,
+            "candidates": [{**asdict(t), "ttft_s": t.ttft_s} for t in self.candidates],
+        }
+
+
+def _cached_tokens(request: RouteRequest, blocks: int, costs: CostModel) -> int:
+    # A fully cached prompt still computes its last token (its logits are needed).
+    return max(0, min(blocks * costs.block_size, request.num_prompt_tokens - 1))
+
+
+def terms_for(worker: str, request: RouteRequest, matches: dict[str, int], loads: dict[str, NodeLoad],
+              costs: CostModel, allow_fetch: bool) -> Terms:
+    """Cheapest way for `worker` to serve the request: its own prefix, or that plus a peer's longer one."""
+    local = matches.get(worker, 0)
+    load = loads[worker]
+    queue_s = costs.queue_s(load.queued_prefill_tokens, load.num_running)
+    options = [_option(worker, local, None, 0, request, costs, queue_s)]
+    if allow_fetch:
+        peers = [(blocks, node) for node, blocks in matches.items() if node != worker and blocks > local]
+        if peers:
+            blocks, peer = max(peers)
+            options.append(_option(worker, local, peer, blocks - local, request, costs, queue_s))
+    return min(options, key=lambda t: t.ttft_s)
+
+
+def _option(worker: str, local: int, peer: str | None, fetch_blocks: int, request: RouteRequest,
+            costs: CostModel, queue_s: float) -> Terms:
+    cached = _cached_tokens(request, local + fetch_blocks, costs)
+    prefill_s = costs.prefill_s(request.num_prompt_tokens - cached, cached)
+    transfer_s = costs.transfer_s(fetch_blocks) if fetch_blocks else 0.0
+    return Terms(worker, local, peer, fetch_blocks, queue_s, prefill_s, transfer_s)
+
+
+def plan_of(request: RouteRequest, chosen: Terms, candidates: tuple[Terms, ...], costs: CostModel) -> Plan:
+    cached = _cached_tokens(request, chosen.local_blocks + chosen.fetch_blocks, costs)
+    return Plan(
+        worker=chosen.worker, fetch_from=chosen.fetch_from, fetch_start=chosen.local_blocks,
+        fetch_end=chosen.local_blocks + chosen.fetch_blocks, local_blocks=chosen.local_blocks,
+        prefill_tokens=request.num_prompt_tokens - cached, predicted_ttft_s=chosen.ttft_s, candidates=candidates,
+    )
+
+
+def _by_cost(allow_fetch: bool):
+    def choose(request, matches, loads, costs, rng) -> Plan:
+        candidates = tuple(terms_for(w, request, matches, loads, costs, allow_fetch) for w in sorted(loads))
+        best = min(candidates, key=lambda t: (t.ttft_s, -t.local_blocks, t.worker))
+        return plan_of(request, best, candidates, costs)
+    return choose
+
+
+def _by_key(key: Callable[[str, dict[str, int], dict[str, NodeLoad]], tuple]):
+    def choose(request, matches, loads, costs, rng) -> Plan:
+        candidates = tuple(terms_for(w, request, matches, loads, costs, False) for w in sorted(loads))
+        best = min(candidates, key=lambda t: key(t.worker, matches, loads))
+        return plan_of(request, best, candidates, costs)
+    return choose
+
+
+def _random(request, matches, loads, costs, rng: random.Random) -> Plan:
+    candidates = tuple(terms_for(w, request, matches, loads, costs, False) for w in sorted(loads))
+    return plan_of(request, rng.choice(candidates), candidates, costs)
+
+
+class RoundRobin:
+    """The one stateful policy: its position lives in the instance, not a global."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __call__(self, request, matches, loads, costs, rng) -> Plan:
+        candidates = tuple(terms_for(w, request, matches, loads, costs, False) for w in sorted(loads))
+        chosen = candidates[self.position % len(candidates)]
+        self.position += 1
+        return plan_of(request, chosen, candidates, costs)
+
+
+Policy = Callable[[RouteRequest, dict[str, int], dict[str, NodeLoad], CostModel, random.Random], Plan]
+
+
+def policies() -> dict[str, Policy]:
+    """A fresh set of policies (round_robin keeps per-instance state)."""
+    return {
+        "cost": _by_cost(allow_fetch=True),
+        "cost_local": _by_cost(allow_fetch=False),
+        "least_load": _by_key(lambda w, m, l: (l[w].queued_prefill_tokens, l[w].num_running, w)),
+        "longest_prefix": _by_key(lambda w, m, l: (-m.get(w, 0), w)),
+        "round_robin": RoundRobin(),
+        "random": _random,
+    }
+
+
+POLICY_NAMES = tuple(policies())

@@ -1,0 +1,94 @@
+"""Routing policies on hand-built matches and loads."""
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.cost_model import CostModel, profile
+from router.policy import NodeLoad, RouteRequest, policies
+
+COSTS = CostModel(block_size=16, block_bytes=16 * 1024, prefill_tokens_per_s=1000.0, link_bytes_per_s=1e9)
+IDLE = {"a": NodeLoad(), "b": NodeLoad(), "c": NodeLoad()}
+REQ = RouteRequest(num_prompt_tokens=1600, num_blocks=100)
+
+
+def choose(name, matches, loads, request=REQ, costs=COSTS):
+    return policies()[name](request, matches, loads, costs, random.Random(0))
+
+
+def test_cost_prefers_the_holder_when_idle():
+    plan = choose("cost", {"b": 90}, IDLE)
+    assert plan.worker == "b" and plan.fetch_from is None and plan.local_blocks == 90
+    assert plan.prefill_tokens == 1600 - 90 * 16
+
+
+def test_cost_sends_to_an_idle_peer_with_a_fetch_plan_when_the_holder_is_busy():
+    loads = {**IDLE, "b": NodeLoad(queued_prefill_tokens=20_000)}
+    plan = choose("cost", {"b": 90}, loads)
+    assert plan.worker != "b"
+    assert (plan.fetch_from, plan.fetch_start, plan.fetch_end) == ("b", 0, 90)
+    assert plan.prefill_tokens == 1600 - 90 * 16
+    chosen = next(t for t in plan.candidates if t.worker == plan.worker)
+    assert chosen.transfer_s > 0 and plan.predicted_ttft_s == pytest.approx(chosen.ttft_s)
+
+
+def test_cost_local_never_fetches():
+    loads = {**IDLE, "b": NodeLoad(queued_prefill_tokens=20_000)}
+    plan = choose("cost_local", {"b": 90}, loads)
+    assert plan.fetch_from is None and plan.worker != "b" and plan.prefill_tokens == 1600
+
+
+def test_fetch_is_skipped_when_the_link_is_slower_than_recompute():
+    slow_link = CostModel(block_size=16, block_bytes=16 * 1024, prefill_tokens_per_s=1e9, link_bytes_per_s=1e3)
+    loads = {**IDLE, "b": NodeLoad(queued_prefill_tokens=10**9)}
+    plan = choose("cost", {"b": 90}, loads, costs=slow_link)
+    assert plan.worker != "b" and plan.fetch_from is None
+
+
+def test_fetch_extends_a_shorter_local_prefix():
+    plan = choose("cost", {"a": 20, "b": 90}, {"a": NodeLoad(), "b": NodeLoad(queued_prefill_tokens=50_000)})
+    assert plan.worker == "a" and (plan.fetch_start, plan.fetch_end, plan.fetch_from) == (20, 90, "b")
+
+
+def test_longest_prefix_ignores_load_and_least_load_ignores_matches():
+    loads = {**IDLE, "b": NodeLoad(queued_prefill_tokens=10**6)}
+    assert choose("longest_prefix", {"b": 90, "a": 10}, loads).worker == "b"
+    assert choose("least_load", {"b": 90}, {"a": NodeLoad(5), "b": NodeLoad(10), "c": NodeLoad(1)}).worker == "c"
+
+
+def test_round_robin_rotates_and_random_is_seeded():
+    rr = policies()["round_robin"]
+    picked = [rr(REQ, {}, IDLE, COSTS, random.Random(0)).worker for _ in range(6)]
+    assert picked == ["a", "b", "c", "a", "b", "c"]
+    first = [policies()["random"](REQ, {}, IDLE, COSTS, random.Random(7)).worker for _ in range(3)]
+    assert first == [policies()["random"](REQ, {}, IDLE, COSTS, random.Random(7)).worker for _ in range(3)]
+
+
+def test_fully_cached_prompt_still_computes_one_token():
+    plan = choose("cost", {"a": 100}, IDLE)
+    assert plan.prefill_tokens == 1
+
+
+def test_profiles_scale_block_bytes():
+    assert profile("llama-3-70b-a800", 512).block_bytes == 512 * 320 * 1024
+    with pytest.raises(ValueError):
+        profile("nope", 16)
+
+
+@given(st.dictionaries(st.sampled_from("abcd"), st.integers(1, 100)),
+       st.dictionaries(st.sampled_from("abcd"), st.integers(0, 10**6), min_size=1),
+       st.sampled_from(sorted(policies())))
+def test_every_plan_is_consistent(matches, queued, name):
+    loads = {n: NodeLoad(q) for n, q in queued.items()}
+    plan = choose(name, matches, loads)
+    assert plan.worker in loads
+    assert plan.local_blocks == matches.get(plan.worker, 0) == plan.fetch_start
+    assert plan.fetch_start <= plan.fetch_end <= REQ.num_blocks
+    if plan.fetch_from is None:
+        assert plan.fetch_end == plan.fetch_start
+    else:
+        assert plan.fetch_from != plan.worker and matches[plan.fetch_from] >= plan.fetch_end
+    assert 1 <= plan.prefill_tokens <= REQ.num_prompt_tokens
+    assert {t.worker for t in plan.candidates} == set(loads)
