@@ -1,0 +1,177 @@
+"""The worker service: one engine, its pool and arena, a transfer server and an etcd presence.
+
+    generate(request)
+      keys = chain(tokens)                       hashed at the edge, salted per tenant
+      fetch plan? -> transfer.fetch(peer, keys[local:end])   (a hint: the peer re-checks;
+                     failures cost a recompute, never an error)
+      engine.submit(tokens, keys) -> events stream back; blocks stored / evicted are
+      published to etcd by the publisher, off the request path
+
+The engine's forward pass runs in a thread; every pool operation (engine
+schedule/finish, transfer serving and fetching) stays on the event loop
+thread. Knows nothing of HTTP: worker_http.py serves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+from cluster.engine import Engine
+from cluster.sampling import SamplingParams
+from router.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage, WorkerLoad
+from store.keys import BlockKey, Namespace, chain
+from transfer.errors import TransferError
+from transfer.fetcher import Fetcher
+
+log = logging.getLogger(__name__)
+
+
+class BlockPublisher(Protocol):
+    def publish(self, stored: list[BlockKey] = ..., removed: list[BlockKey] = ...) -> None: ...
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    fetched_tokens: int = 0
+    fetched_bytes: int = 0
+    pinned: list[int] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Worker:
+    def __init__(self, engine: Engine, namespace: Namespace, publisher: BlockPublisher, fetcher: Fetcher,
+                 fetch_timeout_s: float = 5.0) -> None:
+        self.engine = engine
+        self.pool = engine.pool
+        self.arena = engine.arena
+        self.namespace = namespace
+        self.publisher = publisher
+        self.fetcher = fetcher
+        self.fetch_timeout_s = fetch_timeout_s
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._prefill_tokens = 0
+        self._prefill_seconds = 0.0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        for request_id in list(self._streams):
+            self._release(request_id)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        keys = chain(request.tokens, self.namespace.with_salt(request.cache_salt))
+        stream = _Stream()
+        if request.fetch is not None:
+            await self._fetch(request, keys, stream)
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
+                                top_p=request.top_p, seed=request.seed)
+        try:
+            request_id = self.engine.submit(request.tokens, params, keys=keys)
+        except ValueError as err:  # the request can never fit this worker
+            self.pool.free(stream.pinned)
+            yield Failed(str(err), 400)
+            return
+        self._streams[request_id] = stream
+        self._wake.set()
+        try:
+            while True:
+                event = await stream.queue.get()
+                yield event
+                if not isinstance(event, Token):
+                    return
+        finally:
+            self._release(request_id)
+
+    async def _fetch(self, request: GenerateRequest, keys: list[BlockKey], stream: _Stream) -> None:
+        plan = request.fetch
+        local = len(self.pool.match(keys))
+        end = min(plan.end, len(keys))
+        if end <= local:
+            return
+        try:
+            result = await self.fetcher.fetch(plan.transfer_url, keys[local:end], self.pool, self.arena,
+                                              deadline_s=self.fetch_timeout_s)
+        except TransferError as err:
+            log.warning("fetch from %s failed (%s); recomputing", plan.peer, err)
+            self.publisher.publish(stored=list(err.stored or ()), removed=list(err.evicted or ()))
+            return
+        self.publisher.publish(stored=result.keys, removed=result.evicted)
+        stream.pinned = result.block_ids  # held until the request ends, so admission finds them
+        stream.fetched_tokens = len(result.keys) * self.namespace.block_size
+        stream.fetched_bytes = result.num_bytes
+
+    def _release(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        if self.engine.is_active(request_id):
+            self.engine.abort(request_id)
+        self.pool.free(stream.pinned)
+        stream.pinned = []
+
+    # -- the engine loop -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.engine.has_work():
+                await self._step()
+                self._publish_pool_events()
+
+    async def _step(self) -> None:
+        batch = self.engine.schedule()
+        began = time.perf_counter()
+        result = await asyncio.to_thread(self.engine.forward, batch)
+        self._note_speed(batch, time.perf_counter() - began)
+        for event in self.engine.finish(batch, result):
+            stream = self._streams.get(event.request_id)
+            if stream is None:
+                continue
+            if event.token is not None:
+                stream.queue.put_nowait(Token(event.token))
+            if event.finished:
+                stream.queue.put_nowait(self._done(event, stream))
+
+    def _done(self, event, stream: _Stream) -> Done | Failed:
+        if event.finish_reason == "error":
+            return Failed(getattr(event, "error", "") or "the engine failed this request", 500)
+        stats = self.engine.stats(event.request_id)
+        fetched = min(stream.fetched_tokens, stats.num_cached_tokens)
+        return Done(event.finish_reason, Usage(
+            prompt_tokens=stats.num_prompt_tokens, completion_tokens=stats.num_output_tokens,
+            local_hit_tokens=stats.num_cached_tokens - fetched, fetched_tokens=fetched,
+            computed_tokens=stats.num_computed_tokens, fetched_bytes=stream.fetched_bytes,
+            ttft_s=stats.ttft_s or (time.perf_counter() - stream.started)))
+
+    def _note_speed(self, batch, seconds: float) -> None:
+        tokens = getattr(batch, "num_prefill_tokens", 0)
+        if tokens:
+            self._prefill_tokens += tokens
+            self._prefill_seconds += seconds
+
+    def _publish_pool_events(self) -> None:
+        stored, evicted = self.engine.take_pool_events()
+        if stored or evicted:
+            self.publisher.publish(stored=stored, removed=evicted)
+
+    # -- load ----------------------------------------------------------------------------------
+
+    def load(self) -> WorkerLoad:
+        speed = self._prefill_tokens / self._prefill_seconds if self._prefill_seconds else 0.0
+        return WorkerLoad(self.engine.num_queued, self.engine.num_running, self.pool.num_free, speed)
