@@ -1,0 +1,76 @@
+"""The worker's internal HTTP API, called by routers: /generate (NDJSON stream), /load, /healthz.
+
+With a shared token configured, every request but /healthz must carry it.
+Knows nothing of engines or etcd: it serves a Worker.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+import msgspec
+from aiohttp import web
+
+from cluster.worker import Worker
+from router.worker_api import AUTH_HEADER, Failed, GenerateRequest, encode, encode_event
+
+log = logging.getLogger(__name__)
+WORKER_KEY: web.AppKey[Worker] = web.AppKey("worker", Worker)
+TOKEN_KEY: web.AppKey[str] = web.AppKey("token", str)
+STATE_KEY: web.AppKey[dict] = web.AppKey("state", dict)
+_request_decoder = msgspec.json.Decoder(GenerateRequest)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}}, status=status)
+
+
+@web.middleware
+async def require_token(request: web.Request, handler) -> web.StreamResponse:
+    token = request.app[TOKEN_KEY]
+    if token and request.path != "/healthz" and not hmac.compare_digest(request.headers.get(AUTH_HEADER, ""), token):
+        return _error(401, "missing or wrong worker token")
+    return await handler(request)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    if not request.app[STATE_KEY]["serving"]:
+        return _error(503, "worker is shutting down")
+    try:
+        body = _request_decoder.decode(await request.read())
+    except msgspec.DecodeError as err:
+        return _error(400, f"bad generate request: {err}")
+    if not body.tokens or body.max_tokens < 1:
+        return _error(400, "tokens must be non-empty and max_tokens at least 1")
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    try:
+        async for event in request.app[WORKER_KEY].generate(body):
+            await response.write(encode_event(event))
+    except (ConnectionResetError, ConnectionError):
+        log.info("router went away from %s", body.request_id)
+        raise
+    except Exception as err:  # the stream has started: end it with an error event, not a broken socket
+        log.exception("generate %s failed", body.request_id)
+        await response.write(encode_event(Failed(f"worker error: {err}", 500)))
+    await response.write_eof()
+    return response
+
+
+async def load(request: web.Request) -> web.Response:
+    return web.Response(body=encode(request.app[WORKER_KEY].load()), content_type="application/json")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    serving = request.app[STATE_KEY]["serving"]
+    return web.json_response({"status": "ok" if serving else "stopping"}, status=200 if serving else 503)
+
+
+def build_app(worker: Worker, token: str = "") -> web.Application:
+    app = web.Application(middlewares=[require_token], client_max_size=64 * 1024 * 1024)
+    app[WORKER_KEY] = worker
+    app[TOKEN_KEY] = token
+    app[STATE_KEY] = {"serving": True}
+    app.add_routes([web.post("/generate", generate), web.get("/load", load), web.get("/healthz", healthz)])
+    return app
