@@ -55,11 +55,13 @@ class Child:
         self.process.wait()
 
 
-def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None, timeout_s: float = 120.0) -> Child:
+def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None, timeout_s: float = 120.0,
+          preexec_fn=None) -> Child:
     """Start `argv` and wait for its READY line; raise ChildFailed with its log tail otherwise."""
     log_path = log_dir / f"{name}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - the child owns it for its lifetime
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, env={**os.environ, **(env or {})})
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, env={**os.environ, **(env or {})},
+                               preexec_fn=preexec_fn)
     deadline = time.monotonic() + timeout_s
     buffered = b""
     while time.monotonic() < deadline:
