@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
-from cluster.engine import Engine
+from cluster.engine import Batch, Engine, TokenEvent
 from cluster.sampling import SamplingParams
 from router.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage, WorkerLoad
 from store.keys import BlockKey, Namespace, chain
@@ -53,7 +53,7 @@ class Worker:
         self.publisher = publisher
         self.fetcher = fetcher
         self.fetch_timeout_s = fetch_timeout_s
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[int, _Stream] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._prefill_tokens = 0
@@ -78,11 +78,11 @@ class Worker:
         stream = _Stream()
         if request.fetch is not None:
             await self._fetch(request, keys, stream)
-        params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
-                                top_p=request.top_p, seed=request.seed)
         try:
+            params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
+                                    top_p=request.top_p, seed=request.seed)
             request_id = self.engine.submit(request.tokens, params, keys=keys)
-        except ValueError as err:  # the request can never fit this worker
+        except ValueError as err:  # bad sampling values, or a request that can never fit this worker
             self.pool.free(stream.pinned)
             yield Failed(str(err), 400)
             return
@@ -115,12 +115,11 @@ class Worker:
         stream.fetched_tokens = len(result.keys) * self.namespace.block_size
         stream.fetched_bytes = result.num_bytes
 
-    def _release(self, request_id: str) -> None:
+    def _release(self, request_id: int) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
-        if self.engine.is_active(request_id):
-            self.engine.abort(request_id)
+        self.engine.abort(request_id)  # a no-op once the request has finished
         self.pool.free(stream.pinned)
         stream.pinned = []
 
@@ -131,11 +130,23 @@ class Worker:
             await self._wake.wait()
             self._wake.clear()
             while self.engine.has_work():
-                await self._step()
+                try:
+                    await self._step()
+                except Exception as err:  # a bug in a step must fail its requests, not hang them
+                    log.exception("engine step failed")
+                    self._fail_all(f"engine step failed: {err!r}")
                 self._publish_pool_events()
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, stream in list(self._streams.items()):
+            stream.queue.put_nowait(Failed(message, 500))
+            self.engine.abort(request_id)
 
     async def _step(self) -> None:
         batch = self.engine.schedule()
+        if not batch.spans:  # waiting for blocks that running requests still pin
+            await asyncio.sleep(0.005)
+            return
         began = time.perf_counter()
         result = await asyncio.to_thread(self.engine.forward, batch)
         self._note_speed(batch, time.perf_counter() - began)
@@ -143,15 +154,12 @@ class Worker:
             stream = self._streams.get(event.request_id)
             if stream is None:
                 continue
-            if event.token is not None:
-                stream.queue.put_nowait(Token(event.token))
+            stream.queue.put_nowait(Token(event.token))
             if event.finished:
                 stream.queue.put_nowait(self._done(event, stream))
 
-    def _done(self, event, stream: _Stream) -> Done | Failed:
-        if event.finish_reason == "error":
-            return Failed(getattr(event, "error", "") or "the engine failed this request", 500)
-        stats = self.engine.stats(event.request_id)
+    def _done(self, event: TokenEvent, stream: _Stream) -> Done:
+        stats = event.stats
         fetched = min(stream.fetched_tokens, stats.num_cached_tokens)
         return Done(event.finish_reason, Usage(
             prompt_tokens=stats.num_prompt_tokens, completion_tokens=stats.num_output_tokens,
@@ -159,11 +167,10 @@ class Worker:
             computed_tokens=stats.num_computed_tokens, fetched_bytes=stream.fetched_bytes,
             ttft_s=stats.ttft_s or (time.perf_counter() - stream.started)))
 
-    def _note_speed(self, batch, seconds: float) -> None:
-        tokens = getattr(batch, "num_prefill_tokens", 0)
-        if tokens:
-            self._prefill_tokens += tokens
-            self._prefill_seconds += seconds
+    def _note_speed(self, batch: Batch, seconds: float) -> None:
+        """Tokens through the model per second: the prefill speed the router's cost model uses."""
+        self._prefill_tokens += sum(span.end - span.start for span in batch.spans)
+        self._prefill_seconds += seconds
 
     def _publish_pool_events(self) -> None:
         stored, evicted = self.engine.take_pool_events()

@@ -1,0 +1,118 @@
+"""`prefixpool worker`: build one worker from its settings and serve until SIGTERM.
+
+    model + pool + arena -> Engine -> Worker
+    transfer server (serves the arena)      etcd: Membership (lease) + Publisher
+    HTTP API (worker_http)                  READY <http url> once all of it is up
+
+Stopping (SIGTERM or SIGINT): stop taking requests, revoke the lease (the
+node's blocks leave every router's index at once), close the servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+
+from aiohttp import web
+
+from cluster.engine import Engine
+from cluster.etcd_client import EtcdClient
+from cluster.etcd_layout import Layout
+from cluster.membership import Membership, MembershipConfig, NodeRecord
+from cluster.model_config import arena_shape_for, resolve_device, torch_dtype
+from cluster.model_source import build_model, cache_namespace
+from cluster.processes import announce_ready
+from cluster.publisher import Publisher
+from cluster.settings import add_flags, from_args
+from cluster.worker import Worker
+from cluster.worker_http import STATE_KEY, build_app
+from cluster.worker_settings import WorkerSettings
+from store.arena import KVArena
+from store.pool import BlockPool
+from transfer.fetcher import Fetcher
+from transfer.server import serve as serve_transfer
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, WorkerSettings)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(from_args(WorkerSettings, args)))
+    return 0
+
+
+def build_engine(settings: WorkerSettings) -> Engine:
+    device = resolve_device(settings.device)
+    model = build_model(settings.model, settings.model_path, settings.dtype, device, settings.seed)
+    arena = KVArena(arena_shape_for(model.config, settings.num_blocks, settings.block_size),
+                    torch_dtype(settings.dtype), device)
+    namespace = cache_namespace(model.config, settings.dtype, settings.block_size)
+    return Engine(model, BlockPool(settings.num_blocks), arena, namespace,
+                  max_batch_size=settings.max_batch_size, chunk_size=settings.chunk_size)
+
+
+async def serve(settings: WorkerSettings) -> None:
+    node_id = settings.node_id or f"{socket.gethostname()}-{os.getpid()}"
+    advertise = settings.advertise_host or settings.host
+    engine = build_engine(settings)
+    transfer = await serve_transfer(engine.pool, engine.arena, f"{settings.transfer}://{settings.host}:{settings.transfer_port}",
+                                    settings.token)
+    http_socket = _bind(settings.host, settings.port)  # bound first: the record needs the real port
+    http_url = f"http://{advertise}:{http_socket.getsockname()[1]}"
+    record = NodeRecord(node_id, http_url, transfer.url.replace(f"//{settings.host}:", f"//{advertise}:"),
+                        settings.block_size, settings.num_blocks, settings.model)
+    etcd = EtcdClient(settings.etcd_endpoints)
+    membership = Membership(etcd, Layout(settings.cluster), record, MembershipConfig(ttl_s=settings.lease_ttl_s))
+    publisher = Publisher(etcd, membership, lambda: [(k, "device") for k in engine.pool.cached_keys()])
+    fetcher = Fetcher(settings.token)
+    worker = Worker(engine, engine.namespace, publisher, fetcher, settings.fetch_timeout_s)
+    app = build_app(worker, settings.token)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, http_socket).start()
+    await membership.start()
+    await publisher.start()
+    worker.start()
+    load_task = asyncio.create_task(_report_load(worker, membership))
+    announce_ready(http_url)
+    log.info("worker %s serving %s (transfer %s)", node_id, http_url, record.transfer_url)
+    await _wait_for_signal()
+    app[STATE_KEY]["serving"] = False
+    load_task.cancel()
+    await membership.stop()  # revokes the lease: our blocks leave the index now
+    await publisher.stop()
+    await worker.stop()
+    await runner.cleanup()
+    await transfer.close()
+    await fetcher.close()
+    await etcd.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+async def _report_load(worker: Worker, membership: Membership, period_s: float = 1.0) -> None:
+    while True:
+        await asyncio.sleep(period_s)
+        load = worker.load()
+        membership.update_load(load.num_queued, load.num_running, load.prefill_tokens_per_s)
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
