@@ -14,6 +14,7 @@ import sys
 # name -> (module defining add_arguments and run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "version": ("cluster.version", "print the version and the hash scheme"),
+    "etcd": ("cluster.etcd_server", "run a local etcd on free loopback ports with a temp data dir"),
 }
 
 
