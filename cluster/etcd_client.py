@@ -3,7 +3,8 @@
     get_prefix(prefix)            -> Snapshot(revision R, kvs)   one consistent read at R, paged
     apply(puts, deletes, lease)   -> revision                    txns of <= MAX_TXN_OPS operations
     grant / keepalive / revoke    leases (keepalive answers the TTL left; 0: the lease is gone)
-    watch_prefix(prefix, start)   -> Watch, async-iterates WatchBatch; raises RevisionCompacted
+    watch_prefix(prefix, start)   -> Watch, async-iterates WatchBatch (events of one or more
+                                     revisions, in order); raises RevisionCompacted
     compact(revision)
 
 Errors are translated once, here: EtcdUnavailable (no connection, timeout; the
@@ -229,10 +230,6 @@ class Watch:
         while (request := await self._requests.get()) is not None:
             yield request
 
-    def request_progress(self) -> None:
-        """Ask etcd for a progress notification: an empty batch whose revision is current."""
-        self._requests.put_nowait(rpc.WatchRequest(progress_request=rpc.WatchProgressRequest()))
-
     def cancel(self) -> None:
         self._requests.put_nowait(None)
         self._call.cancel()
@@ -244,12 +241,11 @@ class Watch:
                     raise RevisionCompacted(response.compact_revision)
                 if response.canceled:
                     raise EtcdUnavailable(f"watch canceled by etcd: {response.cancel_reason}")
-                if response.created:
-                    continue
+                if response.created or not response.events:
+                    continue  # etcd 3.5.1 may send progress for unsynced watchers (etcd#15220): no revision from it
                 events = [WatchEvent(e.type == rpc.Event.PUT, e.kv.key, e.kv.value, e.kv.mod_revision)
                           for e in response.events]  # fmt: skip
-                revision = max((e.revision for e in events), default=response.header.revision)
-                yield WatchBatch(revision, events)
+                yield WatchBatch(max(e.revision for e in events), events)
         except (RevisionCompacted, EtcdUnavailable):
             raise
         except asyncio.CancelledError:

@@ -70,6 +70,7 @@ class Membership:
         self.lock = asyncio.Lock()
         self.on_rotate: Callable[[int], Awaitable[None]] = _nothing
         self.num_rotations = 0
+        self.revision = 0  # etcd revision of our latest record put
         self._wake = asyncio.Event()
         self._record_dirty = False
         self._lost: int | None = None
@@ -113,7 +114,7 @@ class Membership:
             old = self.lease_id
             new = await self.client.grant(self.config.ttl_s)
             self._record_dirty = False
-            await self.client.put(self.layout.node_key(self.record.node_id), encode_record(self.record), new)
+            self.revision = await self.client.put(self.layout.node_key(self.record.node_id), encode_record(self.record), new)
             self.lease_id = new
             await self.on_rotate(new)
             self.num_rotations += 1
@@ -153,8 +154,8 @@ class Membership:
             async with self.lock:
                 self._record_dirty = False
                 try:
-                    await self.client.put(self.layout.node_key(self.record.node_id), encode_record(self.record),
-                                          self.lease_id)  # fmt: skip
+                    self.revision = await self.client.put(self.layout.node_key(self.record.node_id),
+                                                          encode_record(self.record), self.lease_id)  # fmt: skip
                 except EtcdError:
                     self._record_dirty = True
                     raise

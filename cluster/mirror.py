@@ -34,7 +34,6 @@ MAX_TIER_BYTES = 32
 @dataclass(frozen=True)
 class MirrorConfig:
     retry_s: float = 0.5
-    progress_every_s: float = 0.25  # while someone waits for a revision
 
 
 class Mirror:
@@ -66,14 +65,11 @@ class Mirror:
         return self.index.longest_prefix(keys)
 
     async def wait_revision(self, revision: int, timeout_s: float = 10.0) -> None:
-        """Until the mirror has applied everything up to `revision` (asks etcd for progress meanwhile)."""
+        """Until the mirror has applied everything up to `revision`, which must be the revision of a
+        write under the prefix (what Publisher.flush returns): etcd 3.5.1's progress notifications
+        cannot be trusted (etcd#15220), so an idle mirror only learns revisions from events."""
         async with asyncio.timeout(timeout_s):
-            asked = 0.0
             while self.revision < revision:
-                now = time.monotonic()
-                if self._watch is not None and now - asked > self.config.progress_every_s:
-                    self._watch.request_progress()
-                    asked = now
                 await asyncio.sleep(0.005)
 
     async def _run(self) -> None:
