@@ -195,14 +195,17 @@ class EtcdClient:
             raise await self._failed(error) from error
         raise EtcdUnavailable("keepalive stream closed without an answer")
 
-    async def revoke(self, lease_id: int) -> None:
+    async def revoke(self, lease_id: int) -> int:
+        """Revoke (deleting its keys); the revision after. A lease already gone is not an error (0)."""
         try:
             client = await self._connected()
-            await client.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease_id), timeout=self.timeout_s)
+            request = rpc.LeaseRevokeRequest(ID=lease_id)
+            return (await client.leasestub.LeaseRevoke(request, timeout=self.timeout_s)).header.revision
         except Exception as error:
             translated = await self._failed(error)
             if not isinstance(translated, LeaseNotFound):
                 raise translated from error
+        return 0
 
     async def compact(self, revision: int) -> None:
         try:

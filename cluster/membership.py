@@ -70,7 +70,7 @@ class Membership:
         self.lock = asyncio.Lock()
         self.on_rotate: Callable[[int], Awaitable[None]] = _nothing
         self.num_rotations = 0
-        self.revision = 0  # etcd revision of our latest record put
+        self.revision = 0  # etcd revision of our latest write (record put, lease revoke)
         self._wake = asyncio.Event()
         self._record_dirty = False
         self._lost: int | None = None
@@ -119,10 +119,7 @@ class Membership:
             await self.on_rotate(new)
             self.num_rotations += 1
             if old is not None:
-                try:
-                    await self.client.revoke(old)
-                except LeaseNotFound:
-                    pass
+                self.revision = max(self.revision, await self.client.revoke(old))
         log.info("node %s registered under lease %x", self.record.node_id, new)
 
     async def _run(self) -> None:

@@ -171,6 +171,7 @@ class Publisher:
         with self._mutex:
             self._pending.clear()
             self._republish = False
+            self._writing = True
             entries = self.all_keys()
         try:
             puts = [(self.layout.block_key(key, self.node_id), tier.encode()) for key, tier in entries]
@@ -181,5 +182,7 @@ class Publisher:
                 self._republish = True
             self._wake.set()
             raise
+        finally:
+            self._writing = False
         self.num_written += len(entries)
         log.info("node %s: re-published %d blocks under lease %x", self.node_id, len(entries), lease_id)
