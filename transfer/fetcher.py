@@ -33,6 +33,8 @@ from transfer.tcp import TcpClient
 class TransportClient(Protocol):
     async def fetch(self, address: PeerAddress, request: FetchRequest, sink: BlockSink) -> None: ...
 
+    def num_idle(self, address: PeerAddress) -> int: ...
+
     async def close(self) -> None: ...
 
 
@@ -78,6 +80,12 @@ class Fetcher:
             sink.abort()
             raise
         return sink.finish()
+
+    def num_idle(self, peer_url: str) -> int:
+        """Idle connections kept for `peer_url` (reused by the next fetch)."""
+        address = parse_url(peer_url)
+        client = self._clients.get(address.scheme)
+        return 0 if client is None else client.num_idle(address)
 
     async def close(self) -> None:
         for client in self._clients.values():

@@ -108,6 +108,17 @@ def token_ok(request: FetchRequest, token: str) -> bool:
     return not token or hmac.compare_digest(request.token.encode(), token.encode())
 
 
+def admit(body: bytes | bytearray | memoryview, token: str) -> FetchRequest | FetchResponse:
+    """The request to serve, or the refusal to send back before closing the connection."""
+    try:
+        request = decode_request(body)
+    except ProtocolError as err:
+        return FetchResponse(STATUS_BAD_REQUEST, detail=str(err))
+    if not token_ok(request, token):
+        return FetchResponse(STATUS_UNAUTHORIZED, detail="wrong token")
+    return request
+
+
 def request_keys(request: FetchRequest) -> list[BlockKey]:
     return [BlockKey(key) for key in request.keys]
 

@@ -1,7 +1,7 @@
 """The holder's side of a fetch: pin what is still held, hand out framed records, unpin.
 
     async with source.pinned(keys) as outgoing:   # pool.match + pool.touch
-        for header, payload in source.records(outgoing):
+        async for header, payload in source.records(outgoing):
             ...send header.pack(), then payload...
                                                    # pool.free on the way out
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, Sequence
+from typing import AsyncIterator, Sequence
 
 from store.arena import KVArena
 from store.keys import BlockKey
@@ -65,7 +65,7 @@ class BlockSource:
         """The block's bytes: zero-copy on CPU, one device-to-host copy on CUDA."""
         return self.arena.read_bytes(block_id)
 
-    def records(self, outgoing: Outgoing) -> Iterator[tuple[RecordHeader, memoryview]]:
+    async def records(self, outgoing: Outgoing) -> AsyncIterator[tuple[RecordHeader, memoryview]]:
         """(header, payload) per block, in key order, checksummed as they are produced."""
         for key, block_id in zip(outgoing.keys, outgoing.block_ids):
             payload = self.payload(block_id)

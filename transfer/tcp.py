@@ -25,17 +25,14 @@ from transfer.address import PeerAddress
 from transfer.errors import PeerUnreachable, ProtocolError
 from transfer.protocol import (
     HEADER_BYTES,
-    STATUS_BAD_REQUEST,
     STATUS_OK,
-    STATUS_UNAUTHORIZED,
     FetchRequest,
     FetchResponse,
+    admit,
     block_header,
-    decode_request,
     decode_response,
     framed,
     request_keys,
-    token_ok,
 )
 from transfer.sink import BlockSink
 from transfer.source import BlockSource
@@ -99,18 +96,14 @@ class TcpServer:
 
     async def _answer(self, sock: socket.socket, body: bytearray) -> bool:
         """Serve one request; False when the connection must close afterwards."""
-        try:
-            request = decode_request(body)
-        except ProtocolError as err:
-            await send_all(sock, framed(FetchResponse(STATUS_BAD_REQUEST, detail=str(err))))
-            return False
-        if not token_ok(request, self.token):
-            await send_all(sock, framed(FetchResponse(STATUS_UNAUTHORIZED, detail="wrong token")))
+        request = admit(body, self.token)
+        if isinstance(request, FetchResponse):
+            await send_all(sock, framed(request))
             return False
         source = self.source
         async with source.pinned(request_keys(request)) as outgoing:
             await send_all(sock, framed(FetchResponse(STATUS_OK, outgoing.num_blocks, source.block_bytes)))
-            for header, payload in source.records(outgoing):
+            async for header, payload in source.records(outgoing):
                 await send_all(sock, header.pack(), payload)
         return True
 
@@ -127,6 +120,9 @@ class TcpClient:
             for sock in socks:
                 sock.close()
         self._idle.clear()
+
+    def num_idle(self, address: PeerAddress) -> int:
+        return len(self._idle.get((address.host, address.port), ()))
 
     async def _connect(self, address: PeerAddress) -> socket.socket:
         loop = asyncio.get_running_loop()
