@@ -285,3 +285,62 @@ def test_bad_peer_url_is_refused(peer_url):
     pool, arena = node(4)
     with pytest.raises(BadPeerUrl):
         asyncio.run(fetch(peer_url, keys_for(2), pool, arena, deadline_s=1))
+
+
+class DyingSource(BlockSource):
+    """Sends `die_after` blocks, lets them drain, then the holder process is SIGKILLed."""
+
+    def __init__(self, pool, arena, die_after):
+        super().__init__(pool, arena)
+        self.die_after = die_after
+
+    async def records(self, outgoing):
+        index = 0
+        async for record in super().records(outgoing):
+            if index == self.die_after:
+                await asyncio.sleep(0.5)
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield record
+            index += 1
+
+
+HOLDER_PROCESS = """
+import asyncio, sys
+from test_transfer import DyingSource, hold, keys_for, node
+from transfer import serve
+
+async def main():
+    pool, arena = node(16)
+    hold(pool, arena, keys_for(12), seed=7)
+    server = await serve(pool, arena, sys.argv[1], source=DyingSource(pool, arena, die_after=5))
+    print(server.url, flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_holder_killed_mid_stream_returns_what_arrived(transport):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")])}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER_PROCESS, url(transport)], stdout=subprocess.PIPE, text=True, cwd=root, env=env
+    )
+    try:
+        peer_url = holder.stdout.readline().strip()
+        assert peer_url.startswith(transport)
+        keys = keys_for(12)
+        pool, arena = node(16)
+        result = asyncio.run(fetch(peer_url, keys, pool, arena, deadline_s=60))
+        assert holder.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    expected_pool, expected_arena = node(16)
+    blocks = hold(expected_pool, expected_arena, keys, seed=7)
+    assert result.keys == keys[:5]
+    assert_received(result, pool, arena, keys, blocks)
+    assert_clean(pool, pinned=5)
+    release(result, pool)
