@@ -71,11 +71,11 @@ class UcxServer:
         self._listener = ucxx.create_listener(self._serve_endpoint, port=port)
 
     async def close(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
 
     async def _serve_endpoint(self, endpoint) -> None:
         task = asyncio.current_task()
