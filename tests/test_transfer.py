@@ -344,3 +344,24 @@ def test_holder_killed_mid_stream_returns_what_arrived(transport):
     assert_received(result, pool, arena, keys, blocks)
     assert_clean(pool, pinned=5)
     release(result, pool)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_cuda_arenas_send_and_receive_through_host_staging(transport):
+    async def run():
+        keys = keys_for(6)
+        holder_pool = BlockPool(8)
+        holder_arena = KVArena(ArenaShape(8, **SHAPE), device="cuda")
+        blocks = hold(holder_pool, holder_arena, keys, seed=11)
+        server = await serve(holder_pool, holder_arena, url(transport))
+        pool, arena = BlockPool(8), KVArena(ArenaShape(8, **SHAPE), device="cuda")
+        try:
+            result = await fetch(server.url, keys, pool, arena, deadline_s=30)
+        finally:
+            await server.close()
+        assert result.keys == keys
+        assert_received(result, pool, arena, keys, blocks)
+        release(result, pool)
+
+    asyncio.run(run())

@@ -16,7 +16,7 @@ Knows nothing of sockets or UCX.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -42,30 +42,37 @@ class FetchResult:
         return len(self.block_ids)
 
 
-@dataclass(slots=True)
 class _Staging:
-    """Host buffers for an arena that is not in host memory, one per block in flight."""
+    """Host buffers for an arena outside host memory: one per block in flight, reused."""
 
-    buffers: list[torch.Tensor] = field(default_factory=list)
+    def __init__(self, block_bytes: int, pin: bool) -> None:
+        self.block_bytes = block_bytes
+        self.pin = pin
+        self.spare: list[torch.Tensor] = []
+        self.lent: dict[int, torch.Tensor] = {}
 
-    def buffer(self, slot: int, num_bytes: int, pin: bool) -> memoryview:
-        while len(self.buffers) <= slot:
-            self.buffers.append(torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin))
-        return memoryview(self.buffers[slot].numpy()).cast("B")
+    def buffer(self, index: int) -> memoryview:
+        if index not in self.lent:
+            spare = self.spare.pop() if self.spare else None
+            self.lent[index] = spare if spare is not None else torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.pin)
+        return memoryview(self.lent[index].numpy()).cast("B")
+
+    def give_back(self, index: int) -> None:
+        self.spare.append(self.lent.pop(index))
 
 
 class BlockSink:
-    def __init__(self, pool: BlockPool, arena: KVArena, keys: Sequence[BlockKey], window: int = 8) -> None:
+    def __init__(self, pool: BlockPool, arena: KVArena, keys: Sequence[BlockKey]) -> None:
         self.pool = pool
         self.arena = arena
         self.keys = list(keys)
-        self.window = window  # staging slots: at most this many blocks in flight on CUDA
         self.allocated: list[int] = []
         self.evicted: list[BlockKey] = []
         self.committed: list[int] = []  # block ids in key order (pinned)
         self.rejected = False
         self._spares: list[int] = []  # allocated, then found a twin already committed
-        self._staging = None if arena.device.type == "cpu" else _Staging()
+        on_cpu = arena.device.type == "cpu"
+        self._staging = None if on_cpu else _Staging(arena.block_bytes, pin=arena.device.type == "cuda")
 
     def expect(self, num_blocks: int, block_bytes: int) -> int:
         """Allocate for the holder's answer; returns how many blocks to receive (may be fewer)."""
@@ -82,8 +89,7 @@ class BlockSink:
         """Where payload `index` lands: the block itself, or a staging buffer to copy from."""
         if self._staging is None:
             return self.arena.writable_bytes(self.allocated[index])
-        on_cuda = self.arena.device.type == "cuda"
-        return self._staging.buffer(index % self.window, self.arena.block_bytes, on_cuda)
+        return self._staging.buffer(index)
 
     def reject(self) -> None:
         """Refuse the block in flight and every later one (e.g. its header did not parse)."""
@@ -109,6 +115,7 @@ class BlockSink:
         block_id = self.allocated[index]
         if self._staging is not None:
             self.arena.write_bytes(block_id, payload)
+            self._staging.give_back(index)
         self._commit(block_id, header.key)
         return True
 

@@ -48,15 +48,20 @@ from transfer.sink import BlockSink  # noqa: E402
 from transfer.source import BlockSource, Outgoing  # noqa: E402
 
 log = logging.getLogger(__name__)
-WINDOW = 8  # blocks in flight per request, each way
+WINDOW_BYTES = 32 << 20  # bytes in flight per request, each way
+
+
+def window_for(block_bytes: int) -> int:
+    """Blocks in flight: enough to cover a bandwidth-delay product of small blocks, at least 2."""
+    return max(2, min(256, WINDOW_BYTES // block_bytes))
 _ENDPOINT_ERRORS = (UCXError, ConnectionError, TimeoutError)
 
 
 class UcxServer:
-    def __init__(self, source: BlockSource, token: str = "", window: int = WINDOW) -> None:
+    def __init__(self, source: BlockSource, token: str = "") -> None:
         self.source = source
         self.token = token
-        self.window = window
+        self.window = window_for(source.block_bytes)
         self._listener = None
         self._host = ""
         self._handlers: set[asyncio.Task] = set()
@@ -121,9 +126,8 @@ class UcxServer:
 class UcxClient:
     """Fetches over UCX, keeping up to `max_idle` idle endpoints per peer."""
 
-    def __init__(self, max_idle: int = 4, window: int = WINDOW) -> None:
+    def __init__(self, max_idle: int = 4) -> None:
         self.max_idle = max_idle
-        self.window = window
         self._idle: dict[tuple[str, int], list] = defaultdict(list)
 
     async def close(self) -> None:
@@ -161,7 +165,7 @@ class UcxClient:
     async def fetch(self, address: PeerAddress, request: FetchRequest, sink: BlockSink) -> None:
         """Fill `sink` with what the peer sends; a peer dying mid-stream just ends it early."""
         endpoint, response = await self._ask(address, request)
-        receiving = _Receiving(endpoint, sink, self.window)
+        receiving = _Receiving(endpoint, sink, window_for(sink.arena.block_bytes))
         try:
             await receiving.run(response)
         finally:
