@@ -1,0 +1,228 @@
+"""Loopback throughput of moving KV blocks: raw socket, our TCP, our UCX, Mooncake's engine.
+
+    python scripts/bench_transfer.py [--total-mib 1024] [--arena-mib 256]
+
+Each row moves about `total-mib` of blocks of one size from a holder process
+to a receiver process over 127.0.0.1 (the same 256 MiB arena, sent again and
+again), after one untimed warm-up pass. Every mover's data is verified: the
+receiver's arena must hash (xxh3-64) to what the holder sent; ours also checks
+each block's checksum on the way. One run, one table, ratios to the raw
+socket (the ceiling here) and to Mooncake's TransferEngine over TCP
+(`batch_transfer_sync_write`, every block of a pass in one call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+os.environ.setdefault("UCX_PROTO_ENABLE", "n")
+os.environ.setdefault("UCXPY_PROGRESS_MODE", "polling")
+os.environ.setdefault("GLOG_minloglevel", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import xxhash  # noqa: E402
+
+from store.arena import ArenaShape, KVArena  # noqa: E402
+from store.keys import Namespace, chain_ids  # noqa: E402
+from store.pool import BlockPool  # noqa: E402
+
+BLOCK_SIZES = {"256 KiB": 256 << 10, "2 MiB": 2 << 20, "16 MiB": 16 << 20}
+MOVERS = ("raw socket", "prefixpool TCP", "prefixpool UCX", "Mooncake TCP")
+
+
+def arena_for(block_bytes: int, arena_bytes: int) -> KVArena:
+    """float32 blocks of 16 tokens x 128 dims; layers make up the block size."""
+    layers = block_bytes // (4 * 2 * 16 * 128)
+    return KVArena(ArenaShape(arena_bytes // block_bytes, layers, 16, 1, 128))
+
+
+def raw_view(arena: KVArena) -> memoryview:
+    return memoryview(arena.tensor.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def filled_arena(block_bytes: int, arena_bytes: int) -> KVArena:
+    arena = arena_for(block_bytes, arena_bytes)
+    generator = torch.Generator().manual_seed(block_bytes)
+    arena.tensor.view(-1).view(torch.uint8).copy_(
+        torch.randint(0, 256, (arena_bytes,), dtype=torch.uint8, generator=generator)
+    )
+    return arena
+
+
+def digest(arena: KVArena) -> int:
+    return xxhash.xxh3_64_intdigest(raw_view(arena))
+
+
+# --- holders (child processes) ---------------------------------------------
+
+
+def raw_holder(conn, block_bytes: int, arena_bytes: int, passes: int) -> None:
+    arena = filled_arena(block_bytes, arena_bytes)
+    view = raw_view(arena)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        conn.send((listener.getsockname()[1], digest(arena)))
+        sock, _ = listener.accept()
+    with sock:
+        for _ in range(passes):
+            for offset in range(0, arena_bytes, block_bytes):
+                sock.sendall(view[offset : offset + block_bytes])
+        sock.recv(1)
+
+
+def transfer_holder(conn, scheme: str, block_bytes: int, arena_bytes: int) -> None:
+    from transfer import serve
+
+    async def main() -> None:
+        arena = filled_arena(block_bytes, arena_bytes)
+        pool = BlockPool(arena.num_blocks)
+        allocation = pool.allocate(arena.num_blocks)
+        for key, block_id in zip(keys_for(arena.num_blocks), allocation.block_ids):
+            pool.commit(block_id, key)
+        pool.free(allocation.block_ids)
+        server = await serve(pool, arena, f"{scheme}://127.0.0.1:0")
+        conn.send((server.url, digest(arena)))
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # the pipe, not the pool
+        await server.close()
+
+    asyncio.run(main())
+
+
+def mooncake_target(conn, block_bytes: int, arena_bytes: int) -> None:
+    from mooncake.engine import TransferEngine
+
+    arena = arena_for(block_bytes, arena_bytes)
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    address = arena.tensor.data_ptr()
+    assert engine.register_memory(address, arena_bytes) == 0
+    conn.send((f"127.0.0.1:{engine.get_rpc_port()}", address))
+    conn.recv()
+    conn.send(digest(arena))
+
+
+def keys_for(count: int):
+    return chain_ids(range(count), Namespace("bench"))
+
+
+# --- receivers (this process); each returns (seconds for `passes`, verified) ---
+
+
+def start(target, *args):
+    context = multiprocessing.get_context("spawn")
+    here, there = context.Pipe()
+    process = context.Process(target=target, args=(there, *args), daemon=True)
+    process.start()
+    return process, here
+
+
+def run_raw(block_bytes: int, arena_bytes: int, passes: int) -> tuple[float, bool]:
+    process, conn = start(raw_holder, block_bytes, arena_bytes, passes + 1)
+    port, expected = conn.recv()
+    arena = arena_for(block_bytes, arena_bytes)
+    view = raw_view(arena)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        elapsed = 0.0
+        for number in range(passes + 1):
+            began = time.perf_counter()
+            for offset in range(0, arena_bytes, block_bytes):
+                block, got = view[offset : offset + block_bytes], 0
+                while got < block_bytes:
+                    got += sock.recv_into(block[got:], block_bytes - got, socket.MSG_WAITALL)
+            elapsed += (time.perf_counter() - began) if number else 0.0
+        sock.sendall(b"x")
+    process.join()
+    return elapsed, digest(arena) == expected
+
+
+def run_ours(scheme: str, block_bytes: int, arena_bytes: int, passes: int) -> tuple[float, bool]:
+    from transfer import Fetcher
+
+    process, conn = start(transfer_holder, scheme, block_bytes, arena_bytes)
+    url, expected = conn.recv()
+    arena = arena_for(block_bytes, arena_bytes)
+    keys = keys_for(arena.num_blocks)
+
+    async def main() -> tuple[float, bool]:
+        fetcher, elapsed, complete = Fetcher(), 0.0, True
+        for number in range(passes + 1):
+            pool = BlockPool(arena.num_blocks)  # a fresh receiver each pass, same arena
+            began = time.perf_counter()
+            result = await fetcher.fetch(url, keys, pool, arena, deadline_s=120)
+            elapsed += (time.perf_counter() - began) if number else 0.0
+            complete &= result.num_blocks == len(keys)
+        await fetcher.close()
+        return elapsed, complete
+
+    elapsed, complete = asyncio.run(main())
+    conn.send("done")
+    process.join()
+    return elapsed, complete and digest(arena) == expected
+
+
+def run_mooncake(block_bytes: int, arena_bytes: int, passes: int) -> tuple[float, bool]:
+    from mooncake.engine import TransferEngine
+
+    process, conn = start(mooncake_target, block_bytes, arena_bytes)
+    session, remote = conn.recv()
+    arena = filled_arena(block_bytes, arena_bytes)
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    local = arena.tensor.data_ptr()
+    assert engine.register_memory(local, arena_bytes) == 0
+    offsets = range(0, arena_bytes, block_bytes)
+    sources, targets = [local + o for o in offsets], [remote + o for o in offsets]
+    elapsed, ok = 0.0, True
+    for number in range(passes + 1):
+        began = time.perf_counter()
+        ok &= engine.batch_transfer_sync_write(session, sources, targets, [block_bytes] * len(sources)) == 0
+        elapsed += (time.perf_counter() - began) if number else 0.0
+    conn.send("done")
+    verified = ok and conn.recv() == digest(arena)
+    process.join()
+    return elapsed, verified
+
+
+RUNNERS = {
+    "raw socket": run_raw,
+    "prefixpool TCP": lambda *a: run_ours("tcp", *a),
+    "prefixpool UCX": lambda *a: run_ours("ucx", *a),
+    "Mooncake TCP": run_mooncake,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--total-mib", type=int, default=1024, help="bytes moved per row (timed)")
+    parser.add_argument("--arena-mib", type=int, default=256, help="arena size on each side")
+    parser.add_argument("--movers", default=",".join(MOVERS), help="comma-separated subset of the columns")
+    args = parser.parse_args()
+    movers = [m for m in MOVERS if m in args.movers.split(",")]
+    arena_bytes = args.arena_mib << 20
+    passes = max(1, args.total_mib // args.arena_mib)
+    moved = passes * arena_bytes
+    print(f"loopback, {moved >> 20} MiB timed per row ({passes} passes over a {args.arena_mib} MiB arena), GB/s\n")
+    print("| block | " + " | ".join(movers) + " | best ours / raw | best ours / Mooncake | verified |")
+    print("|---" * (len(movers) + 4) + "|")
+    for label, block_bytes in BLOCK_SIZES.items():
+        rates, verified = {}, True
+        for mover in movers:
+            elapsed, ok = RUNNERS[mover](block_bytes, arena_bytes, passes)
+            rates[mover], verified = moved / elapsed / 1e9, verified and ok
+        best = max(rates.get("prefixpool TCP", 0.0), rates.get("prefixpool UCX", 0.0))
+        cells = " | ".join(f"{rates[m]:.2f}" for m in movers)
+        ratios = " | ".join(f"{best / rates[m]:.2f}x" if m in rates else "-" for m in ("raw socket", "Mooncake TCP"))
+        print(f"| {label} | {cells} | {ratios} | {'yes' if verified else 'NO'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The holder's side of a fetch: pin what is still held, hand out framed records, unpin.
+
+    async with source.pinned(keys) as outgoing:   # pool.match + pool.touch
+        async for header, payload in source.records(outgoing):
+            ...send header.pack(), then payload...
+                                                   # pool.free on the way out
+
+Transport-agnostic: it never sees a socket. Every pool operation runs on the
+caller's thread, which must be the event loop's (BlockPool is not
+thread-safe). The methods are the seams tests override to inject faults (an
+eviction before pinning, a flipped byte, a stall). Knows nothing of the wire.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+from store.arena import KVArena
+from store.keys import BlockKey
+from store.pool import BlockPool
+from store.record import RecordHeader, header_for
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """The pinned prefix one request is served from."""
+
+    keys: list[BlockKey]
+    block_ids: list[int]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+class BlockSource:
+    def __init__(self, pool: BlockPool, arena: KVArena) -> None:
+        self.pool = pool
+        self.arena = arena
+
+    @property
+    def block_bytes(self) -> int:
+        return self.arena.block_bytes
+
+    async def pin(self, keys: Sequence[BlockKey]) -> Outgoing:
+        """Pin the longest prefix of `keys` still held; the rest is not ours to send."""
+        block_ids = self.pool.match(keys)
+        self.pool.touch(block_ids)
+        return Outgoing(list(keys[: len(block_ids)]), block_ids)
+
+    def release(self, outgoing: Outgoing) -> None:
+        self.pool.free(outgoing.block_ids)
+
+    @asynccontextmanager
+    async def pinned(self, keys: Sequence[BlockKey]) -> AsyncIterator[Outgoing]:
+        outgoing = await self.pin(keys)
+        try:
+            yield outgoing
+        finally:
+            self.release(outgoing)
+
+    def payload(self, block_id: int) -> memoryview:
+        """The block's bytes: zero-copy on CPU, one device-to-host copy on CUDA."""
+        return self.arena.read_bytes(block_id)
+
+    async def records(self, outgoing: Outgoing) -> AsyncIterator[tuple[RecordHeader, memoryview]]:
+        """(header, payload) per block, in key order, checksummed as they are produced."""
+        for key, block_id in zip(outgoing.keys, outgoing.block_ids):
+            payload = self.payload(block_id)
+            yield header_for(key, payload), payload

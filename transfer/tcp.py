@@ -1,0 +1,194 @@
+"""The TCP transport: an asyncio server that streams blocks, and a client with reused connections.
+
+    client                                  server (one task per connection)
+      connect (or reuse an idle socket) -->   accept
+      [len|FetchRequest]                -->   check token, pin the prefix
+                                        <--   [len|FetchResponse]
+      recv_into(block i's bytes)        <--   [RecordHeader|payload] x num_blocks
+      connection back to the idle pool        unpin, wait for the next request
+
+Raw non-blocking sockets driven by the event loop: payloads are sent from
+and received into the arena's own memory, no stream buffers in between. A
+connection goes back to the pool only after a complete answer; after a
+rejection, a short allocation or any error it is closed, since bytes may
+still be in flight on it. Knows nothing of UCX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections import defaultdict
+
+from transfer.address import PeerAddress
+from transfer.errors import PeerUnreachable, ProtocolError
+from transfer.protocol import (
+    HEADER_BYTES,
+    STATUS_OK,
+    FetchRequest,
+    FetchResponse,
+    admit,
+    block_header,
+    decode_response,
+    framed,
+    request_keys,
+)
+from transfer.sink import BlockSink
+from transfer.source import BlockSource
+from transfer.stream import recv_exactly, recv_message, send_all
+
+log = logging.getLogger(__name__)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class TcpServer:
+    def __init__(self, source: BlockSource, token: str = "") -> None:
+        self.source = source
+        self.token = token
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def url(self) -> str:
+        assert self._listener is not None, "server not started"
+        host, port = self._listener.getsockname()[:2]
+        return f"tcp://{host}:{port}"
+
+    async def start(self, host: str, port: int) -> None:
+        listener = socket.create_server((host, port), backlog=128)
+        listener.setblocking(False)
+        self._listener = listener
+        self._spawn(self._accept_loop(listener))
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _ = await loop.sock_accept(listener)
+            _tune(sock)
+            self._spawn(self._serve_connection(sock))
+
+    async def _serve_connection(self, sock: socket.socket) -> None:
+        try:
+            while (body := await recv_message(sock, eof_ok=True)) is not None:
+                if not await self._answer(sock, body):
+                    return
+        except (ConnectionError, ProtocolError) as err:
+            log.debug("transfer connection ended: %s", err)
+        finally:
+            sock.close()
+
+    async def _answer(self, sock: socket.socket, body: bytearray) -> bool:
+        """Serve one request; False when the connection must close afterwards."""
+        request = admit(body, self.token)
+        if isinstance(request, FetchResponse):
+            await send_all(sock, framed(request))
+            return False
+        source = self.source
+        async with source.pinned(request_keys(request)) as outgoing:
+            await send_all(sock, framed(FetchResponse(STATUS_OK, outgoing.num_blocks, source.block_bytes)))
+            async for header, payload in source.records(outgoing):
+                await send_all(sock, header.pack(), payload)
+        return True
+
+
+class TcpClient:
+    """Fetches over TCP, keeping up to `max_idle` idle connections per peer."""
+
+    def __init__(self, max_idle: int = 4) -> None:
+        self.max_idle = max_idle
+        self._idle: dict[tuple[str, int], list[socket.socket]] = defaultdict(list)
+
+    async def close(self) -> None:
+        for socks in self._idle.values():
+            for sock in socks:
+                sock.close()
+        self._idle.clear()
+
+    def num_idle(self, address: PeerAddress) -> int:
+        return len(self._idle.get((address.host, address.port), ()))
+
+    async def _connect(self, address: PeerAddress) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as err:
+            raise PeerUnreachable(f"unknown peer {address.url}: {err}") from err
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        _tune(sock)
+        try:
+            await loop.sock_connect(sock, infos[0][4])
+        except OSError as err:
+            sock.close()
+            raise PeerUnreachable(f"cannot connect to {address.url}: {err}") from err
+        return sock
+
+    async def _ask(self, address: PeerAddress, request: FetchRequest) -> tuple[socket.socket, FetchResponse]:
+        """Send the request and read the answer, retrying once if a reused socket was stale."""
+        idle = self._idle[(address.host, address.port)]
+        while True:
+            reused = bool(idle)
+            sock = idle.pop() if reused else await self._connect(address)
+            try:
+                await send_all(sock, framed(request))
+                body = await recv_message(sock)
+                return sock, decode_response(body)
+            except ConnectionError as err:
+                sock.close()
+                if not reused:
+                    raise PeerUnreachable(f"{address.url} closed before answering: {err}") from err
+            except BaseException:
+                sock.close()
+                raise
+
+    async def fetch(self, address: PeerAddress, request: FetchRequest, sink: BlockSink) -> None:
+        """Fill `sink` with what the peer sends; a peer dying mid-stream just ends it early."""
+        sock, response = await self._ask(address, request)
+        try:
+            complete = await _receive(sock, response, sink)
+        except BaseException:
+            sock.close()
+            raise
+        idle = self._idle[(address.host, address.port)]
+        if complete and len(idle) < self.max_idle:
+            idle.append(sock)
+        else:
+            sock.close()
+
+
+async def _receive(sock: socket.socket, response: FetchResponse, sink: BlockSink) -> bool:
+    """Receive each block into its destination; True if the whole answer was consumed."""
+    num_blocks = sink.expect(response.num_blocks, response.block_bytes)
+    raw_header = bytearray(HEADER_BYTES)
+    try:
+        for index in range(num_blocks):
+            await recv_exactly(sock, raw_header)
+            header = block_header(raw_header)
+            if not sink.check_header(index, header):
+                return False
+            await recv_exactly(sock, sink.destination(index))
+            if not sink.accept(index, header):
+                return False
+    except ProtocolError:
+        sink.reject()
+        return False
+    except ConnectionError as err:
+        log.info("transfer peer closed mid-stream after %d blocks: %s", len(sink.committed), err)
+        return False
+    return num_blocks == response.num_blocks
