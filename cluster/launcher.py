@@ -37,8 +37,9 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         self._own_logs = self.log_dir is None
         self.log_dir = Path(tempfile.mkdtemp(prefix="prefixpool-up-")) if self.log_dir is None else Path(self.log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.etcd = EtcdServer(log_path=self.log_dir / "etcd.log").start()
+            self.etcd = EtcdServer().start()
             for i in range(self.num_workers):
                 self.start_worker(f"worker-{i}")
             self.router = spawn("router", python_argv("router", "--port", "0", *self._common(), *self.router_args),
@@ -49,7 +50,7 @@ class LocalCluster:
         return self
 
     def _common(self) -> list[str]:
-        return ["--etcd-endpoints", self.etcd.endpoints]
+        return ["--etcd-endpoints", self.etcd.endpoint]
 
     def start_worker(self, node_id: str) -> Child:
         child = spawn(node_id, python_argv("worker", "--node-id", node_id, *self._common(), *self.worker_args),
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     with cluster:
         print(f"prefixpool is up: {cluster.router_url}  (OpenAI API at {cluster.router_url}/v1)", flush=True)
-        print(f"etcd {cluster.etcd.endpoints}; workers: {', '.join(c.url for c in cluster.workers.values())}", flush=True)
+        print(f"etcd {cluster.etcd.endpoint}; workers: {', '.join(c.url for c in cluster.workers.values())}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
         try:
             stopping.wait()

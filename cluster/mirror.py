@@ -60,6 +60,10 @@ class Mirror:
             self._watch.cancel()
             self._watch = None
 
+    def workers(self) -> dict[str, NodeRecord]:
+        """Live nodes by id (the router's ClusterView)."""
+        return self.nodes
+
     def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]:
         """Per node, how many blocks from keys[0] on it holds consecutively."""
         return self.index.longest_prefix(keys)

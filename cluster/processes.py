@@ -8,6 +8,7 @@ file. Knows nothing of what the children are.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
@@ -19,10 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 READY_PREFIX = "READY "
+_PR_SET_PDEATHSIG = 1
 
 
 class ChildFailed(RuntimeError):
     """A child exited or stayed silent before announcing readiness."""
+
+
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGKILL when its parent dies, so no orphan outlives a crash."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def announce_ready(url: str) -> None:
@@ -56,7 +63,7 @@ class Child:
 
 
 def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None, timeout_s: float = 120.0,
-          preexec_fn=None) -> Child:
+          preexec_fn=die_with_parent) -> Child:
     """Start `argv` and wait for its READY line; raise ChildFailed with its log tail otherwise."""
     log_path = log_dir / f"{name}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - the child owns it for its lifetime

@@ -15,8 +15,6 @@ orphan. Knows nothing of engines or routing.
 
 from __future__ import annotations
 
-import ctypes
-import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,19 +25,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.processes import Child, python_argv, spawn
 
 NAMESPACE = "prefixpool"
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 class ProcessActor:
     """Runs one prefixpool component as a child process for as long as the actor lives."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
         log_dir = Path(tempfile.mkdtemp(prefix=f"prefixpool-{name}-"))
-        self.child: Child = spawn(name, python_argv(*args), log_dir, env, preexec_fn=_die_with_parent)
+        self.child: Child = spawn(name, python_argv(*args), log_dir, env)
 
     def url(self) -> str:
         return self.child.url

@@ -53,3 +53,8 @@ class ServiceUnavailable(APIError):
 
     status = 503
     type = "service_unavailable"
+
+
+class InternalError(APIError):
+    status = 500
+    type = "server_error"

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from router import openai_format as fmt
 from router.detokenizer import Detokenizer
-from router.errors import APIError, InvalidRequest, RouteNotFound, Unauthorized
+from router.errors import APIError, InternalError, InvalidRequest, RouteNotFound
 from router.openai_schema import ChatBody, CompletionBody, RouteBody, decode
 from router.service import Prepared, Router
 from router.worker_api import Done, Failed, Token
@@ -40,6 +40,9 @@ async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
         api = RouteNotFound(f"{request.method} {request.path}: {err.reason}") if err.status == 404 else InvalidRequest(err.reason)
         api.status = err.status
         return error_response(api)
+    except Exception:  # a bug: still answer in the API's error shape, and log it
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.json_response(InternalError("internal error; see the router log").body(), status=500)
 
 
 def _router(request: web.Request) -> Router:

@@ -44,7 +44,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CompletionBody(_Sampling, frozen=True, kw_only=True):
-    prompt: str | list[TokenId] | list[str]
+    prompt: str | list[TokenId | str]
     echo: Literal[False] = False
 
 
@@ -62,7 +62,7 @@ class RouteBody(msgspec.Struct, frozen=True, kw_only=True):
     """`/v1/route`: a completion or chat body; only what decides the route."""
 
     model: str
-    prompt: str | list[TokenId] | list[str] | None = None
+    prompt: str | list[TokenId | str] | None = None
     messages: list[ChatMessage] | None = None
     max_tokens: PositiveTokens | None = None
     cache_salt: Salt = ""
@@ -92,8 +92,10 @@ def _param_of(message: str) -> str | None:
 
 def _check_prompt(body: CompletionBody | ChatBody | RouteBody) -> None:
     prompt = getattr(body, "prompt", None)
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) and len(prompt) != 1:
-        raise InvalidRequest("a list of prompt strings must hold exactly one prompt (n=1 only)", param="prompt")
+    if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise InvalidRequest("prompt must be a string, a list of token ids, or a list of exactly one string",
+                                 param="prompt")
     if isinstance(body, RouteBody) and (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("give exactly one of `prompt` or `messages`", param="prompt")
     if prompt is not None and len(prompt) == 0:
