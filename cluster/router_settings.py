@@ -24,4 +24,5 @@ class RouterSettings:
     request_timeout_s: float = setting(300.0, "longest a worker may stay silent mid-stream")
     default_max_tokens: int = setting(64, "max_tokens when a request gives none")
     prefill_tokens_per_s: float = setting(2000.0, "prefill speed assumed until workers report a measured one")
+    decode_step_s: float = setting(0.01, "TTFT the cost model adds per request already running on a worker")
     link_bytes_per_s: float = setting(1e9, "bandwidth between workers assumed by the cost model")

@@ -78,8 +78,8 @@ async def serve(settings: WorkerSettings) -> None:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.SockSite(runner, http_socket).start()
+    await publisher.start()  # before membership: registering hands it the lease
     await membership.start()
-    await publisher.start()
     worker.start()
     load_task = asyncio.create_task(_report_load(worker, membership))
     announce_ready(http_url)

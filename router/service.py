@@ -35,6 +35,8 @@ class WorkerInfo(Protocol):
     node_id: str
     http_url: str
     transfer_url: str
+    num_queued: int  # as the worker last reported it (other routers' work included)
+    num_running: int
 
 
 class ClusterView(Protocol):
@@ -148,13 +150,16 @@ class Router:
             raise ServiceUnavailable("no live worker can take this request; retry later", code="no_worker")
         keys = self.keys_of(prepared)
         matches = {n: m for n, m in self.view.longest_prefix(keys).items() if n in workers}
-        loads = {n: self._load(n) for n in workers}
+        loads = {n: self._load(n, w) for n, w in workers.items()}
         request = RouteRequest(num_prompt_tokens=len(prepared.tokens), num_blocks=len(keys))
         return self._choose(request, matches, loads, self.costs, self.rng), matches
 
-    def _load(self, node_id: str) -> NodeLoad:
+    def _load(self, node_id: str, worker: WorkerInfo) -> NodeLoad:
+        """Our own in-flight work, or the worker's last report where that is larger (other routers)."""
         inflight = self.inflight.load_of(node_id)
-        return NodeLoad(queued_prefill_tokens=inflight.queued_prefill_tokens, num_running=inflight.num_running)
+        reported = worker.num_running + worker.num_queued
+        return NodeLoad(queued_prefill_tokens=inflight.queued_prefill_tokens,
+                        num_running=max(inflight.num_running + inflight.num_queued, reported))
 
     def explain(self, prepared: Prepared) -> dict:
         plan, matches = self.decide(prepared)
