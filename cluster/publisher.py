@@ -145,6 +145,8 @@ class Publisher:
             if self._republish:
                 await self.membership.rotate()  # calls _fill under the new lease
                 continue
+            if self.membership.lease_id is None:
+                return  # not registered (yet, or any more): registering re-publishes everything
             batch = self._take()
             if not batch:
                 return
@@ -162,7 +164,9 @@ class Publisher:
         puts = [(self.layout.block_key(k, self.node_id), op.encode()) for k, op in batch.items() if op is not None]
         deletes = [self.layout.block_key(k, self.node_id) for k, op in batch.items() if op is None]
         async with self.membership.lock:
-            self._lease_seen = self.membership.lease_id or 0
+            if self.membership.lease_id is None:
+                return  # stopped meanwhile: never write a block key without a lease
+            self._lease_seen = self.membership.lease_id
             self.revision = await self.client.apply(puts, deletes, self._lease_seen)
         self.num_written += len(batch)
 
