@@ -184,7 +184,8 @@ class EtcdClient:
         """Refresh the lease once; the TTL it now has. Raises LeaseNotFound when it is gone."""
         try:
             client = await self._connected()
-            call = client.leasestub.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]), timeout=self.timeout_s)
+            requests = iter([rpc.LeaseKeepAliveRequest(ID=lease_id)])
+            call = client.leasestub.LeaseKeepAlive(requests, timeout=self.timeout_s)
             async for reply in call:
                 if reply.TTL <= 0:
                     raise LeaseNotFound(f"lease {lease_id:x} is gone")

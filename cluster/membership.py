@@ -114,7 +114,8 @@ class Membership:
             old = self.lease_id
             new = await self.client.grant(self.config.ttl_s)
             self._record_dirty = False
-            self.revision = await self.client.put(self.layout.node_key(self.record.node_id), encode_record(self.record), new)
+            node_key = self.layout.node_key(self.record.node_id)
+            self.revision = await self.client.put(node_key, encode_record(self.record), new)
             self.lease_id = new
             await self.on_rotate(new)
             self.num_rotations += 1

@@ -51,7 +51,8 @@ class Publisher:
         self._pending: dict[BlockKey, str | None] = {}
         self._mutex = threading.Lock()  # publish() may be called from a worker thread
         self._republish = False
-        self._writing = False
+        self._writing = self._filling = False
+        self._generation = self._batch_generation = 0  # +1 per fill: a batch taken before it is stale
         self._lease_seen = 0
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -93,7 +94,7 @@ class Publisher:
 
     @property
     def busy(self) -> bool:
-        return bool(self._pending) or self._republish or self._writing
+        return bool(self._pending) or self._republish or self._writing or self._filling
 
     async def flush(self, timeout_s: float = 30.0) -> int:
         """Wait until everything published so far is in etcd; the revision of the last write."""
@@ -121,11 +122,12 @@ class Publisher:
                 key = next(iter(self._pending))
                 batch[key] = self._pending.pop(key)
             self._writing = bool(batch)
+            self._batch_generation = self._generation
             return batch
 
     def _put_back(self, batch: dict[BlockKey, str | None]) -> None:
         with self._mutex:
-            if not self._republish:
+            if not self._republish and self._batch_generation == self._generation:
                 for key, op in batch.items():
                     self._pending.setdefault(key, op)
 
@@ -145,6 +147,8 @@ class Publisher:
             if self._republish:
                 await self.membership.rotate()  # calls _fill under the new lease
                 continue
+            if self.membership.lease_id is None:
+                return  # not registered (yet, or any more): registering re-publishes everything
             batch = self._take()
             if not batch:
                 return
@@ -162,7 +166,9 @@ class Publisher:
         puts = [(self.layout.block_key(k, self.node_id), op.encode()) for k, op in batch.items() if op is not None]
         deletes = [self.layout.block_key(k, self.node_id) for k, op in batch.items() if op is None]
         async with self.membership.lock:
-            self._lease_seen = self.membership.lease_id or 0
+            if self.membership.lease_id is None or self._batch_generation != self._generation:
+                return  # stopped (never write without a lease), or a fill since _take already covers it
+            self._lease_seen = self.membership.lease_id
             self.revision = await self.client.apply(puts, deletes, self._lease_seen)
         self.num_written += len(batch)
 
@@ -171,7 +177,8 @@ class Publisher:
         with self._mutex:
             self._pending.clear()
             self._republish = False
-            self._writing = True
+            self._filling = True
+            self._generation += 1
             entries = self.all_keys()
         try:
             puts = [(self.layout.block_key(key, self.node_id), tier.encode()) for key, tier in entries]
@@ -183,6 +190,6 @@ class Publisher:
             self._wake.set()
             raise
         finally:
-            self._writing = False
+            self._filling = False
         self.num_written += len(entries)
         log.info("node %s: re-published %d blocks under lease %x", self.node_id, len(entries), lease_id)
