@@ -120,7 +120,7 @@ def keys_for(count: int):
 def start(target, *args):
     context = multiprocessing.get_context("spawn")
     here, there = context.Pipe()
-    process = context.Process(target=target, args=(there, *args), daemon=True)
+    process = context.Process(target=target, args=(there, *args))
     process.start()
     return process, here
 
@@ -192,12 +192,27 @@ def run_mooncake(block_bytes: int, arena_bytes: int, passes: int) -> tuple[float
     return elapsed, verified
 
 
-RUNNERS = {
-    "raw socket": run_raw,
-    "prefixpool TCP": lambda *a: run_ours("tcp", *a),
-    "prefixpool UCX": lambda *a: run_ours("ucx", *a),
-    "Mooncake TCP": run_mooncake,
-}
+def run_tcp(*args) -> tuple[float, bool]:
+    return run_ours("tcp", *args)
+
+
+def run_ucx(*args) -> tuple[float, bool]:
+    return run_ours("ucx", *args)
+
+
+RUNNERS = {"raw socket": run_raw, "prefixpool TCP": run_tcp, "prefixpool UCX": run_ucx, "Mooncake TCP": run_mooncake}
+
+
+def receiver(conn, mover: str, *args) -> None:
+    conn.send(RUNNERS[mover](*args))
+
+
+def measure(mover: str, *args) -> tuple[float, bool]:
+    """Run one mover's receiver in a fresh process: no engine threads or UCX state carry over."""
+    process, conn = start(receiver, mover, *args)
+    result = conn.recv()
+    process.join()
+    return result
 
 
 def main() -> None:
@@ -210,13 +225,15 @@ def main() -> None:
     arena_bytes = args.arena_mib << 20
     passes = max(1, args.total_mib // args.arena_mib)
     moved = passes * arena_bytes
-    print(f"loopback, {moved >> 20} MiB timed per row ({passes} passes over a {args.arena_mib} MiB arena), GB/s\n")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"loopback, {moved >> 20} MiB timed per row ({passes} passes over a {args.arena_mib} MiB arena), GB/s")
+    print(f"{os.cpu_count()} CPUs, load average at start {load}\n")
     print("| block | " + " | ".join(movers) + " | best ours / raw | best ours / Mooncake | verified |")
     print("|---" * (len(movers) + 4) + "|")
     for label, block_bytes in BLOCK_SIZES.items():
         rates, verified = {}, True
         for mover in movers:
-            elapsed, ok = RUNNERS[mover](block_bytes, arena_bytes, passes)
+            elapsed, ok = measure(mover, block_bytes, arena_bytes, passes)
             rates[mover], verified = moved / elapsed / 1e9, verified and ok
         best = max(rates.get("prefixpool TCP", 0.0), rates.get("prefixpool UCX", 0.0))
         cells = " | ".join(f"{rates[m]:.2f}" for m in movers)
