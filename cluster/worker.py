@@ -80,7 +80,7 @@ class Worker:
             await self._fetch(request, keys, stream)
         try:
             params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
-                                    top_p=request.top_p, seed=request.seed)
+                                    top_p=request.top_p, seed=request.seed, ignore_eos=request.ignore_eos)
             request_id = self.engine.submit(request.tokens, params, keys=keys)
         except ValueError as err:  # bad sampling values, or a request that can never fit this worker
             self.pool.free(stream.pinned)

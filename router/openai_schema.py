@@ -41,6 +41,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     user: str | None = None
     # prefixpool extension (the vLLM name): a tenant's salt enters the block-key namespace.
     cache_salt: Salt = ""
+    # vLLM's extension: keep generating past the end-of-sequence token (benchmarks, load tests).
+    ignore_eos: bool = False
 
 
 class CompletionBody(_Sampling, frozen=True, kw_only=True):

@@ -63,6 +63,7 @@ class Prepared:
     top_p: float
     seed: int | None
     cache_salt: str
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Router:
             model=self.model, chat=isinstance(body, ChatBody), stream=getattr(body, "stream", False),
             include_usage=bool(options and options.include_usage), tokens=tokens, max_tokens=max_tokens,
             temperature=getattr(body, "temperature", 0.0), top_p=getattr(body, "top_p", 1.0),
-            seed=getattr(body, "seed", None), cache_salt=body.cache_salt,
+            seed=getattr(body, "seed", None), cache_salt=body.cache_salt, ignore_eos=getattr(body, "ignore_eos", False),
         )
 
     def _tokens_of(self, body: CompletionBody | ChatBody | RouteBody) -> list[int]:
@@ -208,7 +209,7 @@ class Router:
         return GenerateRequest(
             request_id=prepared.request_id, tokens=prepared.tokens, max_tokens=prepared.max_tokens,
             temperature=prepared.temperature, top_p=prepared.top_p, seed=prepared.seed,
-            cache_salt=prepared.cache_salt, fetch=fetch,
+            cache_salt=prepared.cache_salt, ignore_eos=prepared.ignore_eos, fetch=fetch,
         )
 
     def failure(self, event: Failed) -> ServiceUnavailable:

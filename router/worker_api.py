@@ -32,6 +32,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float = 1.0
     seed: int | None = None
     cache_salt: str = ""
+    ignore_eos: bool = False
     fetch: FetchPlan | None = None
 
 
