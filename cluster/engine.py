@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
 import torch
 
-from cluster.model import Span, Transformer
+from cluster.batch import Batch, ScheduledSpan, StepOutput, TokenEvent
+from cluster.model import Transformer
 from cluster.model_config import arena_shape_for, dtype_name
 from cluster.sampling import Sampler, SamplingParams
 from cluster.sequence import RequestStats, Sequence
@@ -41,44 +41,13 @@ class RequestTooLarge(ValueError):
     """The request can never run here: too long for the model or the whole pool."""
 
 
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    request_id: int
-    token: int
-    finished: bool
-    finish_reason: str | None = None   # "stop" | "length" on the final event
-    stats: RequestStats | None = None  # on the final event
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledSpan:
-    seq: Sequence
-    start: int
-    end: int
-    store_from: int
-    block_ids: tuple[int, ...]
-    tokens: tuple[int, ...]
-
-    @property
-    def sample(self) -> bool:
-        return self.end == len(self.seq.tokens)
-
-
-@dataclass(frozen=True)
-class Batch:
-    spans: list[ScheduledSpan]
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    logits: torch.Tensor  # [spans that sample, vocab], fp32 on the CPU
-
-
 class Engine:
     def __init__(self, model: Transformer, pool: BlockPool, arena: KVArena, namespace: Namespace, *,
                  max_batch_size: int = 8, chunk_size: int = 512,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         _check_fit(model, pool, arena, namespace)
+        if chunk_size < max_batch_size:
+            raise ValueError(f"chunk_size {chunk_size} < max_batch_size {max_batch_size}: decodes would starve prefill")
         self.model, self.pool, self.arena, self.namespace = model, pool, arena, namespace
         self.block_size = namespace.block_size
         self.max_batch_size, self.chunk_size, self.clock = max_batch_size, chunk_size, clock
@@ -174,18 +143,8 @@ class Engine:
         """Tensor work only: no pool calls, no request state changes."""
         if not batch.spans:
             return StepOutput(torch.empty(0, self.model.config.vocab_size))
-        device = self.model.device
-        tokens, positions, spans, logit_rows = [], [], [], []
-        for item in batch.spans:
-            spans.append(Span(len(tokens), item.start, item.end, item.store_from,
-                              torch.tensor(item.block_ids, dtype=torch.int64, device=device)))
-            tokens.extend(item.tokens)
-            positions.extend(range(item.start, item.end))
-            if item.sample:
-                logit_rows.append(len(tokens) - 1)
-        logits = self.model(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                            spans, self.arena.tensor, torch.tensor(logit_rows, dtype=torch.int64, device=device))
-        return StepOutput(logits.cpu())
+        tokens, positions, spans, logit_rows = batch.model_inputs(self.model.device)
+        return StepOutput(self.model(tokens, positions, spans, self.arena.tensor, logit_rows).cpu())
 
     def finish(self, batch: Batch, output: StepOutput) -> list[TokenEvent]:
         events: list[TokenEvent] = []
@@ -257,7 +216,7 @@ class Engine:
         end = min(len(seq.tokens), start + budget)
         num_blocks = -(-end // self.block_size)
         return ScheduledSpan(seq, start, end, seq.num_stored, tuple(seq.block_ids[:num_blocks]),
-                             tuple(seq.tokens[start:end]))
+                             tuple(seq.tokens[start:end]), end == len(seq.tokens))
 
     def _commit_full_blocks(self, seq: Sequence) -> None:
         for index in range(seq.num_committed, seq.num_stored // self.block_size):

@@ -131,7 +131,7 @@ class PoolTripwire:
 
 
 def test_forward_touches_no_pool_and_the_pool_may_change_meanwhile(model):
-    engine = make_engine(model, chunk_size=6)
+    engine = make_engine(model, chunk_size=6, max_batch_size=2)
     prompt = tokens(15, 50)
     expected = make_engine(model).generate(prompt, GREEDY)[0]
     request_id = engine.submit(prompt, GREEDY)
@@ -218,3 +218,5 @@ def test_engine_rejects_an_arena_or_namespace_of_another_model(model):
     with pytest.raises(ValueError, match="does not fit the model"):
         Engine(model, BlockPool(4), KVArena(arena_shape_for(config, 4, BLOCK * 2)),
                namespace_for(config, torch.float32, BLOCK))
+    with pytest.raises(ValueError, match="decodes would starve prefill"):
+        make_engine(model, chunk_size=4, max_batch_size=8)
