@@ -56,8 +56,7 @@ class Engine:
         self._sequences: dict[int, Sequence] = {}
         self._in_flight: set[int] = set()
         self._next_id = 0
-        self._stored: list[BlockKey] = []
-        self._evicted: list[BlockKey] = []
+        self._pool_events: dict[BlockKey, bool] = {}   # key -> stored (True) or evicted, latest wins
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, tokens: Seq[int], params: SamplingParams, keys: Seq[BlockKey] | None = None, *,
@@ -108,10 +107,17 @@ class Engine:
         return len(self.running)
 
     def take_pool_events(self) -> tuple[list[BlockKey], list[BlockKey]]:
-        """(stored, evicted) keys since the last call, for publishing."""
-        stored, evicted = self._stored, self._evicted
-        self._stored, self._evicted = [], []
-        return stored, evicted
+        """(stored, evicted) keys since the last call, for publishing; disjoint, so order does not matter.
+
+        A key stored and evicted in the same interval counts as evicted (deleting an
+        unpublished key is harmless); evicted and stored again counts as stored.
+        """
+        events, self._pool_events = self._pool_events, {}
+        return [k for k, stored in events.items() if stored], [k for k, stored in events.items() if not stored]
+
+    def _record(self, key: BlockKey, stored: bool) -> None:
+        self._pool_events.pop(key, None)
+        self._pool_events[key] = stored
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -204,7 +210,8 @@ class Engine:
             return False
         self.pool.touch(cached)
         allocation = self.pool.allocate(needed)
-        self._evicted.extend(allocation.evicted)
+        for key in allocation.evicted:
+            self._record(key, stored=False)
         seq.block_ids = cached + allocation.block_ids
         seq.num_committed = len(cached)
         seq.num_stored = len(cached) * self.block_size
@@ -225,7 +232,7 @@ class Engine:
                 block = seq.tokens[index * self.block_size:(index + 1) * self.block_size]
                 seq.keys.extend(chain_from(parent, pack_tokens(block), self.block_size))
             if self.pool.commit(seq.block_ids[index], seq.keys[index]):
-                self._stored.append(seq.keys[index])
+                self._record(seq.keys[index], stored=True)
         seq.num_committed = max(seq.num_committed, seq.num_stored // self.block_size)
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:

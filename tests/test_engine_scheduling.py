@@ -159,6 +159,14 @@ def test_pool_events_report_stored_and_evicted_keys(model):
     stored, evicted = engine.take_pool_events()
     assert sorted(evicted) == sorted(chain(prompt, engine.namespace))
     assert all(engine.pool.lookup(key) is not None for key in stored)
+    engine.generate(prompt, SamplingParams(max_tokens=1))           # stores prompt's keys again ...
+    engine.generate(tokens(29, 63), SamplingParams(max_tokens=1))   # ... and evicts them in the same interval
+    stored, evicted = engine.take_pool_events()
+    assert set(chain(prompt, engine.namespace)) <= set(evicted)     # the latest event wins
+    assert stored == chain(tokens(29, 63), engine.namespace)
+    assert not set(stored) & set(evicted)
+    assert all(engine.pool.lookup(key) is not None for key in stored)
+    assert all(engine.pool.lookup(key) is None for key in evicted)
     assert_clean(engine)
 
 
