@@ -4,6 +4,7 @@
     step = schedule()  pool ops: admission; picks each running request's next span
            forward()   tensor work only (may run in a thread while the caller uses the pool)
            finish()    pool ops: commit newly full blocks, sample, free finished requests tail first
+           (fail(batch) instead of finish when forward raised: the batch's requests are dropped)
 
 One step carries every decoding request's next token plus prefill chunks,
 within `chunk_size` tokens (decodes always go; chunked prefill fills the
@@ -169,6 +170,13 @@ class Engine:
                 events.append(self._emit(seq, logits))
         self._in_flight = set()
         return events
+
+    def fail(self, batch: Batch) -> list[int]:
+        """forward() raised: drop the batch's requests, free their blocks, return their ids to report."""
+        for item in batch.spans:
+            self._release(item.seq)
+        self._in_flight = set()
+        return [item.seq.request_id for item in batch.spans]
 
     # -- conveniences for tests and scripts ---------------------------------------------------
     def generate(self, tokens: Seq[int], params: SamplingParams,

@@ -123,6 +123,17 @@ def test_abort_waiting_running_and_in_flight_requests_frees_everything(model):
     assert_clean(engine)
 
 
+def test_a_failed_forward_drops_its_requests_and_frees_their_blocks(model):
+    engine = make_engine(model, chunk_size=8, max_batch_size=2)
+    ids = [engine.submit(tokens(6, 45 + i), GREEDY) for i in range(3)]
+    batch = engine.schedule()
+    assert engine.fail(batch) == ids[:2]
+    assert (engine.num_running, engine.num_queued) == (0, 1)
+    outputs, _ = run(engine)
+    assert list(outputs) == [ids[2]]
+    assert_clean(engine)
+
+
 class PoolTripwire:
     """Fault injector: any pool call during forward() is a bug."""
 
