@@ -4,6 +4,7 @@
     step = schedule()  pool ops: admission; picks each running request's next span
            forward()   tensor work only (may run in a thread while the caller uses the pool)
            finish()    pool ops: commit newly full blocks, sample, free finished requests tail first
+           (fail(batch) instead of finish when forward raised: the batch's requests are dropped)
 
 One step carries every decoding request's next token plus prefill chunks,
 within `chunk_size` tokens (decodes always go; chunked prefill fills the
@@ -23,12 +24,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
 import torch
 
-from cluster.model import Span, Transformer
+from cluster.batch import Batch, ScheduledSpan, StepOutput, TokenEvent
+from cluster.model import Transformer
 from cluster.model_config import arena_shape_for, dtype_name
 from cluster.sampling import Sampler, SamplingParams
 from cluster.sequence import RequestStats, Sequence
@@ -41,44 +42,13 @@ class RequestTooLarge(ValueError):
     """The request can never run here: too long for the model or the whole pool."""
 
 
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    request_id: int
-    token: int
-    finished: bool
-    finish_reason: str | None = None   # "stop" | "length" on the final event
-    stats: RequestStats | None = None  # on the final event
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledSpan:
-    seq: Sequence
-    start: int
-    end: int
-    store_from: int
-    block_ids: tuple[int, ...]
-    tokens: tuple[int, ...]
-
-    @property
-    def sample(self) -> bool:
-        return self.end == len(self.seq.tokens)
-
-
-@dataclass(frozen=True)
-class Batch:
-    spans: list[ScheduledSpan]
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    logits: torch.Tensor  # [spans that sample, vocab], fp32 on the CPU
-
-
 class Engine:
     def __init__(self, model: Transformer, pool: BlockPool, arena: KVArena, namespace: Namespace, *,
                  max_batch_size: int = 8, chunk_size: int = 512,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         _check_fit(model, pool, arena, namespace)
+        if chunk_size < max_batch_size:
+            raise ValueError(f"chunk_size {chunk_size} < max_batch_size {max_batch_size}: decodes would starve prefill")
         self.model, self.pool, self.arena, self.namespace = model, pool, arena, namespace
         self.block_size = namespace.block_size
         self.max_batch_size, self.chunk_size, self.clock = max_batch_size, chunk_size, clock
@@ -87,8 +57,7 @@ class Engine:
         self._sequences: dict[int, Sequence] = {}
         self._in_flight: set[int] = set()
         self._next_id = 0
-        self._stored: list[BlockKey] = []
-        self._evicted: list[BlockKey] = []
+        self._pool_events: dict[BlockKey, bool] = {}   # key -> stored (True) or evicted, latest wins
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, tokens: Seq[int], params: SamplingParams, keys: Seq[BlockKey] | None = None, *,
@@ -139,10 +108,17 @@ class Engine:
         return len(self.running)
 
     def take_pool_events(self) -> tuple[list[BlockKey], list[BlockKey]]:
-        """(stored, evicted) keys since the last call, for publishing."""
-        stored, evicted = self._stored, self._evicted
-        self._stored, self._evicted = [], []
-        return stored, evicted
+        """(stored, evicted) keys since the last call, for publishing; disjoint, so order does not matter.
+
+        A key stored and evicted in the same interval counts as evicted (deleting an
+        unpublished key is harmless); evicted and stored again counts as stored.
+        """
+        events, self._pool_events = self._pool_events, {}
+        return [k for k, stored in events.items() if stored], [k for k, stored in events.items() if not stored]
+
+    def _record(self, key: BlockKey, stored: bool) -> None:
+        self._pool_events.pop(key, None)
+        self._pool_events[key] = stored
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -174,18 +150,8 @@ class Engine:
         """Tensor work only: no pool calls, no request state changes."""
         if not batch.spans:
             return StepOutput(torch.empty(0, self.model.config.vocab_size))
-        device = self.model.device
-        tokens, positions, spans, logit_rows = [], [], [], []
-        for item in batch.spans:
-            spans.append(Span(len(tokens), item.start, item.end, item.store_from,
-                              torch.tensor(item.block_ids, dtype=torch.int64, device=device)))
-            tokens.extend(item.tokens)
-            positions.extend(range(item.start, item.end))
-            if item.sample:
-                logit_rows.append(len(tokens) - 1)
-        logits = self.model(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                            spans, self.arena.tensor, torch.tensor(logit_rows, dtype=torch.int64, device=device))
-        return StepOutput(logits.cpu())
+        tokens, positions, spans, logit_rows = batch.model_inputs(self.model.device)
+        return StepOutput(self.model(tokens, positions, spans, self.arena.tensor, logit_rows).cpu())
 
     def finish(self, batch: Batch, output: StepOutput) -> list[TokenEvent]:
         events: list[TokenEvent] = []
@@ -204,6 +170,13 @@ class Engine:
                 events.append(self._emit(seq, logits))
         self._in_flight = set()
         return events
+
+    def fail(self, batch: Batch) -> list[int]:
+        """forward() raised: drop the batch's requests, free their blocks, return their ids to report."""
+        for item in batch.spans:
+            self._release(item.seq)
+        self._in_flight = set()
+        return [item.seq.request_id for item in batch.spans]
 
     # -- conveniences for tests and scripts ---------------------------------------------------
     def generate(self, tokens: Seq[int], params: SamplingParams,
@@ -245,7 +218,8 @@ class Engine:
             return False
         self.pool.touch(cached)
         allocation = self.pool.allocate(needed)
-        self._evicted.extend(allocation.evicted)
+        for key in allocation.evicted:
+            self._record(key, stored=False)
         seq.block_ids = cached + allocation.block_ids
         seq.num_committed = len(cached)
         seq.num_stored = len(cached) * self.block_size
@@ -257,7 +231,7 @@ class Engine:
         end = min(len(seq.tokens), start + budget)
         num_blocks = -(-end // self.block_size)
         return ScheduledSpan(seq, start, end, seq.num_stored, tuple(seq.block_ids[:num_blocks]),
-                             tuple(seq.tokens[start:end]))
+                             tuple(seq.tokens[start:end]), end == len(seq.tokens))
 
     def _commit_full_blocks(self, seq: Sequence) -> None:
         for index in range(seq.num_committed, seq.num_stored // self.block_size):
@@ -266,7 +240,7 @@ class Engine:
                 block = seq.tokens[index * self.block_size:(index + 1) * self.block_size]
                 seq.keys.extend(chain_from(parent, pack_tokens(block), self.block_size))
             if self.pool.commit(seq.block_ids[index], seq.keys[index]):
-                self._stored.append(seq.keys[index])
+                self._record(seq.keys[index], stored=True)
         seq.num_committed = max(seq.num_committed, seq.num_stored // self.block_size)
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:

@@ -131,7 +131,7 @@ def test_batch_mixing_cached_and_cold_requests(model):
 def test_chunked_prefill_equals_unchunked(model):
     prompt = tokens(37, 14)
     whole = make_engine(model, chunk_size=512)
-    chunked = make_engine(model, chunk_size=5)
+    chunked = make_engine(model, chunk_size=5, max_batch_size=2)
     logits_whole, _ = whole.prefill_logits(prompt)
     logits_chunked, _ = chunked.prefill_logits(prompt)
     torch.testing.assert_close(logits_chunked, logits_whole, rtol=1e-4, atol=1e-4)

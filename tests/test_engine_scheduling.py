@@ -123,6 +123,17 @@ def test_abort_waiting_running_and_in_flight_requests_frees_everything(model):
     assert_clean(engine)
 
 
+def test_a_failed_forward_drops_its_requests_and_frees_their_blocks(model):
+    engine = make_engine(model, chunk_size=8, max_batch_size=2)
+    ids = [engine.submit(tokens(6, 45 + i), GREEDY) for i in range(3)]
+    batch = engine.schedule()
+    assert engine.fail(batch) == ids[:2]
+    assert (engine.num_running, engine.num_queued) == (0, 1)
+    outputs, _ = run(engine)
+    assert list(outputs) == [ids[2]]
+    assert_clean(engine)
+
+
 class PoolTripwire:
     """Fault injector: any pool call during forward() is a bug."""
 
@@ -131,7 +142,7 @@ class PoolTripwire:
 
 
 def test_forward_touches_no_pool_and_the_pool_may_change_meanwhile(model):
-    engine = make_engine(model, chunk_size=6)
+    engine = make_engine(model, chunk_size=6, max_batch_size=2)
     prompt = tokens(15, 50)
     expected = make_engine(model).generate(prompt, GREEDY)[0]
     request_id = engine.submit(prompt, GREEDY)
@@ -159,6 +170,14 @@ def test_pool_events_report_stored_and_evicted_keys(model):
     stored, evicted = engine.take_pool_events()
     assert sorted(evicted) == sorted(chain(prompt, engine.namespace))
     assert all(engine.pool.lookup(key) is not None for key in stored)
+    engine.generate(prompt, SamplingParams(max_tokens=1))           # stores prompt's keys again ...
+    engine.generate(tokens(29, 63), SamplingParams(max_tokens=1))   # ... and evicts them in the same interval
+    stored, evicted = engine.take_pool_events()
+    assert set(chain(prompt, engine.namespace)) <= set(evicted)     # the latest event wins
+    assert stored == chain(tokens(29, 63), engine.namespace)
+    assert not set(stored) & set(evicted)
+    assert all(engine.pool.lookup(key) is not None for key in stored)
+    assert all(engine.pool.lookup(key) is None for key in evicted)
     assert_clean(engine)
 
 
@@ -218,3 +237,5 @@ def test_engine_rejects_an_arena_or_namespace_of_another_model(model):
     with pytest.raises(ValueError, match="does not fit the model"):
         Engine(model, BlockPool(4), KVArena(arena_shape_for(config, 4, BLOCK * 2)),
                namespace_for(config, torch.float32, BLOCK))
+    with pytest.raises(ValueError, match="decodes would starve prefill"):
+        make_engine(model, chunk_size=4, max_batch_size=8)
