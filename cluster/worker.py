@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
-from cluster.engine import Batch, Engine, TokenEvent
+from cluster.batch import Batch, TokenEvent
+from cluster.engine import Engine
 from cluster.sampling import SamplingParams
 from router.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage, WorkerLoad
 from store.keys import BlockKey, Namespace, chain
@@ -148,7 +149,14 @@ class Worker:
             await asyncio.sleep(0.005)
             return
         began = time.perf_counter()
-        result = await asyncio.to_thread(self.engine.forward, batch)
+        try:
+            result = await asyncio.to_thread(self.engine.forward, batch)
+        except Exception as err:  # e.g. out of device memory: fail this batch's requests, keep serving
+            log.exception("forward pass failed")
+            for request_id in self.engine.fail(batch):
+                if request_id in self._streams:
+                    self._streams[request_id].queue.put_nowait(Failed(f"forward pass failed: {err!r}", 500))
+            return
         self._note_speed(batch, time.perf_counter() - began)
         for event in self.engine.finish(batch, result):
             stream = self._streams.get(event.request_id)

@@ -89,7 +89,8 @@ def test_tenants_never_share_blocks(client):
 
 
 def test_busy_holder_sends_to_idle_worker_with_a_fetch(cluster, client):
-    prompt = SHARED + "Busy holder question, with a long shared part that the idle worker fetches."
+    # Long enough that fetching its blocks beats recomputing them, even for the tiny CPU model.
+    prompt = SHARED * 12 + "Busy holder question, with a long shared part that the idle worker fetches."
     complete(client, prompt, salt="fetch")
     status, route = post(cluster.router_url, "/v1/route", {"model": "tiny", "prompt": prompt, "cache_salt": "fetch"})
     holder = route["worker"]
@@ -114,7 +115,7 @@ def test_busy_holder_sends_to_idle_worker_with_a_fetch(cluster, client):
 
 
 def _start_direct(worker_url: str, seed: int):
-    body = {"request_id": f"busy-{seed}", "tokens": list(range(1, 200)), "max_tokens": 3000, "seed": seed,
+    body = {"request_id": f"busy-{seed}", "tokens": list(range(1, 200)), "max_tokens": 1000, "seed": seed,
             "ignore_eos": True}
     request = urllib.request.Request(worker_url + "/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
