@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 
+import torch
 from aiohttp import web
 
 from cluster.engine import Engine
@@ -50,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_engine(settings: WorkerSettings) -> Engine:
+    if settings.cpu_threads > 0:
+        torch.set_num_threads(settings.cpu_threads)
     device = resolve_device(settings.device)
     model = build_model(settings.model, settings.model_path, settings.dtype, device, settings.seed)
     arena = KVArena(arena_shape_for(model.config, settings.num_blocks, settings.block_size),

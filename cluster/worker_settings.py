@@ -28,4 +28,5 @@ class WorkerSettings:
     max_batch_size: int = setting(8, "requests decoded together")
     chunk_size: int = setting(512, "prefill chunk, in tokens")
     fetch_timeout_s: float = setting(5.0, "deadline of one block fetch from a peer")
+    cpu_threads: int = setting(1, "torch CPU threads (0 keeps torch's default); small kernels on shared cores run best on 1")
     token: str = setting("", "shared token required on the internal API and transfer port")
