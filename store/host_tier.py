@@ -24,7 +24,8 @@ def as_uint8(payload: torch.Tensor | bytes | bytearray | memoryview) -> torch.Te
     """A flat uint8 tensor over `payload` without copying where possible."""
     if isinstance(payload, torch.Tensor):
         return payload.reshape(-1).view(torch.uint8)
-    return torch.from_numpy(np.frombuffer(payload, dtype=np.uint8))
+    array = np.frombuffer(payload, dtype=np.uint8)
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 class HostTier:
