@@ -38,6 +38,7 @@ class HostTier:
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.slots = torch.empty((num_blocks, block_bytes), dtype=torch.uint8, pin_memory=pinned)
+        self.slots.zero_()  # fault every page in now, not on the eviction path
         self.index: OrderedDict[BlockKey, int] = OrderedDict()
         self.free_slots = list(range(num_blocks - 1, -1, -1))
 

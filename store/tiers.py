@@ -82,6 +82,7 @@ class TieredPool:
         self.host = host
         self.disk = disk
         self.lower: list[LowerTier] = [tier for tier in (host, disk) if tier is not None]
+        self._staging = torch.empty((0, arena.block_bytes), dtype=torch.uint8)  # grows to the largest promotion
 
     def allocate(self, num: int) -> tuple[Allocation, TierChanges]:
         """pool.allocate, with every evicted block demoted before its block is reused."""
@@ -166,8 +167,7 @@ class TieredPool:
             if err.available == 0:
                 return
             alloc = self.pool.allocate(err.available)
-        # stage the evicted blocks' bytes: their blocks are about to be overwritten
-        victims = [(key, self._block(b).to("cpu", copy=True)) for key, b in zip(alloc.evicted, alloc.evicted_block_ids)]
+        victims = self._stage(alloc)
         for block_id, (key, tier, payload) in zip(alloc.block_ids, sources):
             self._block(block_id).copy_(payload, non_blocking=payload.is_pinned())
             assert self.pool.commit(block_id, key), "promoted a key the device already had"
@@ -182,6 +182,15 @@ class TieredPool:
             self._demote(0, key, payload, changes)
         self.pool.free(alloc.block_ids)
 
+    def _stage(self, alloc: Allocation) -> list[tuple[BlockKey, torch.Tensor]]:
+        """Copy the evicted blocks' bytes aside: their blocks are about to be overwritten."""
+        num = len(alloc.evicted)
+        if num > len(self._staging):
+            self._staging = torch.zeros((num, self.arena.block_bytes), dtype=torch.uint8, pin_memory=_pinned())
+        for row, block_id in enumerate(alloc.evicted_block_ids):
+            self._staging[row].copy_(self._block(block_id))
+        return list(zip(alloc.evicted, self._staging[:num]))
+
     def _demote(self, level: int, key: BlockKey, payload: torch.Tensor, changes: TierChanges) -> None:
         """Put a block into tier `level`, first pushing that tier's victims one level down."""
         if level == len(self.lower):
@@ -194,3 +203,7 @@ class TieredPool:
             changes.remove(tier.name, victim)
         if tier.put(key, payload):
             changes.store(tier.name, key)
+
+
+def _pinned() -> bool:
+    return torch.cuda.is_available()
