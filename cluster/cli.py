@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "etcd": ("cluster.etcd_server", "run a local etcd on free loopback ports with a temp data dir"),
     "router": ("cluster.router_cli", "run the cache-aware router (OpenAI-compatible HTTP API)"),
     "worker": ("cluster.worker_cli", "run one worker: engine, block pool, transfer server, etcd lease"),
+    "demo": ("cluster.demo", "run `up` and a shared-prefix workload; print what the cache saved"),
     "up": ("cluster.launcher", "start etcd, N workers and a router on 127.0.0.1; Ctrl-C stops all"),
     "ray": ("cluster.ray_cli", "deploy on an existing Ray cluster (up) or remove the deployment (down)"),
     "replay": ("cluster.replay", "replay a Mooncake-format trace, simulated or against a live router"),

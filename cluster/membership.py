@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -37,6 +38,7 @@ class NodeRecord(msgspec.Struct, frozen=True):
     num_queued: int = 0
     num_running: int = 0
     prefill_tokens_per_s: float = 0.0
+    load_time: float = 0.0  # wall clock (time.time()) when the load fields were sampled
 
 
 def encode_record(record: NodeRecord) -> bytes:
@@ -98,7 +100,7 @@ class Membership:
     def update_load(self, num_queued: int, num_running: int, prefill_tokens_per_s: float) -> None:
         """Non-blocking: the record is re-put by the background task."""
         self.record = msgspec.structs.replace(self.record, num_queued=num_queued, num_running=num_running,
-                                              prefill_tokens_per_s=prefill_tokens_per_s)  # fmt: skip
+                                              prefill_tokens_per_s=prefill_tokens_per_s, load_time=time.time())  # fmt: skip
         self._record_dirty = True
         self._wake.set()
 

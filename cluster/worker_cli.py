@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import time
 
 import torch
 from aiohttp import web
@@ -106,11 +107,16 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _report_load(worker: Worker, membership: Membership, period_s: float = 1.0) -> None:
+async def _report_load(worker: Worker, membership: Membership, period_s: float = 0.05, refresh_s: float = 1.0) -> None:
+    """Re-put the load fields when the counts change (checked every 50 ms), else once a second."""
+    last, last_sent = None, 0.0
     while True:
         await asyncio.sleep(period_s)
         load = worker.load()
-        membership.update_load(load.num_queued, load.num_running, load.prefill_tokens_per_s)
+        counts = (load.num_queued, load.num_running)
+        if counts != last or time.monotonic() - last_sent > refresh_s:
+            membership.update_load(load.num_queued, load.num_running, load.prefill_tokens_per_s)
+            last, last_sent = counts, time.monotonic()
 
 
 async def _wait_for_signal() -> None:

@@ -11,6 +11,7 @@ of arrivals sees the load it is creating. Knows nothing of HTTP or etcd.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 
@@ -19,6 +20,7 @@ class WorkerInflight:
     queued_prefill_tokens: int = 0
     num_queued: int = 0
     num_running: int = 0
+    changed_at: float = 0.0  # wall clock of our latest begin / end here: older worker reports are stale
 
 
 @dataclass(slots=True)
@@ -40,6 +42,7 @@ class InflightTracker:
         load = self._workers.setdefault(worker, WorkerInflight())
         load.queued_prefill_tokens += prefill_tokens
         load.num_queued += 1
+        load.changed_at = time.time()
         return ticket_id
 
     def started(self, ticket_id: int) -> None:
@@ -55,6 +58,7 @@ class InflightTracker:
     def end(self, ticket_id: int) -> None:
         ticket = self._tickets.pop(ticket_id)
         load = self._workers[ticket.worker]
+        load.changed_at = time.time()
         if ticket.started:
             load.num_running -= 1
         else:
@@ -74,4 +78,6 @@ class InflightTracker:
                 load.num_queued += 1
                 load.queued_prefill_tokens += ticket.prefill_tokens
         for worker, load in self._workers.items():
-            assert load == expected.get(worker, WorkerInflight()), f"{worker}: {load} != {expected.get(worker)}"
+            want = expected.get(worker, WorkerInflight())
+            got = (load.queued_prefill_tokens, load.num_queued, load.num_running)
+            assert got == (want.queued_prefill_tokens, want.num_queued, want.num_running), f"{worker}: {load} != {want}"

@@ -37,6 +37,7 @@ class WorkerInfo(Protocol):
     transfer_url: str
     num_queued: int  # as the worker last reported it (other routers' work included)
     num_running: int
+    load_time: float  # when it sampled them (time.time())
 
 
 class ClusterView(Protocol):
@@ -156,9 +157,13 @@ class Router:
         return self._choose(request, matches, loads, self.costs, self.rng), matches
 
     def _load(self, node_id: str, worker: WorkerInfo) -> NodeLoad:
-        """Our own in-flight work, or the worker's last report where that is larger (other routers)."""
+        """Our own in-flight work, or the worker's report where that is larger (other routers' work).
+
+        A report sampled before our latest start or end on that worker is stale: ignore it.
+        """
         inflight = self.inflight.load_of(node_id)
-        reported = worker.num_running + worker.num_queued
+        fresh = worker.load_time > inflight.changed_at
+        reported = worker.num_running + worker.num_queued if fresh else 0
         return NodeLoad(queued_prefill_tokens=inflight.queued_prefill_tokens,
                         num_running=max(inflight.num_running + inflight.num_queued, reported))
 

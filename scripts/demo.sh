@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec .venv/bin/python scripts/bench_store.py "$@"
+exec .venv/bin/prefixpool demo "$@"
