@@ -1,0 +1,80 @@
+"""Ray deployment on a local Ray cluster: 2 worker actors, a router actor, etcd as an actor.
+
+A request hits the cache; a worker actor is killed, Ray restarts it, it re-registers in
+etcd, and the cluster keeps serving the same output as a cold recompute.
+"""
+
+import json
+import os
+import time
+import urllib.request
+
+import pytest
+import ray
+
+from cluster import ray_deploy
+
+PROMPT = "Ray deployment check. " * 20
+
+
+def ask(url: str, prompt: str, salt: str) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "cache_salt": salt}
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.load(reply)
+
+
+def workers_seen(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/healthz", timeout=10) as reply:
+        return json.load(reply)["workers"]
+
+
+def wait_for(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.3)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray.init(num_cpus=4, include_dashboard=False, namespace=ray_deploy.NAMESPACE, log_to_driver=False)
+    try:
+        deployed = ray_deploy.up(2, router_port=0, env={"PREFIXPOOL_LEASE_TTL_S": "3", "PREFIXPOOL_NUM_BLOCKS": "512"})
+        wait_for(lambda: workers_seen(deployed.router_url) == 2)
+        yield deployed
+    finally:
+        removed = ray_deploy.down()
+        ray.shutdown()
+    assert {"router", "etcd", "worker-0", "worker-1"} <= set(removed)
+
+
+def test_cache_hit_through_ray(deployment):
+    first = ask(deployment.router_url, PROMPT, "ray")
+    again = ask(deployment.router_url, PROMPT + "again", "ray")
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_killed_worker_actor_restarts_and_serving_stays_correct(deployment):
+    actor = ray_deploy.get_actor("worker-1")
+    old_pid = ray.get(actor.pid.remote())
+    ray.kill(actor, no_restart=False)
+    answers = [ask(deployment.router_url, f"{PROMPT} after kill {i}", "ray-kill") for i in range(3)]
+    cold = [ask(deployment.router_url, f"{PROMPT} after kill {i}", f"ray-cold-{i}") for i in range(3)]
+    assert [a["choices"][0]["text"] for a in answers] == [c["choices"][0]["text"] for c in cold]
+    wait_for(lambda: _restarted(actor, old_pid), timeout_s=90)
+    wait_for(lambda: workers_seen(deployment.router_url) == 2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(old_pid, 0)  # the old worker process died with its actor
+
+
+def _restarted(actor, old_pid: int) -> bool:
+    try:
+        return ray.get(actor.pid.remote(), timeout=5) != old_pid
+    except ray.exceptions.RayError:
+        return False
