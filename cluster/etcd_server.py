@@ -26,6 +26,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.processes import announce_ready
+
 
 class EtcdServerError(RuntimeError):
     """etcd could not be found, did not start, or did not become healthy in time."""
@@ -181,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     server.start()
     print(f"etcd {server.client_url} (pid {server.pid}, data {server.data_dir})", flush=True)
+    announce_ready(server.endpoint)
     try:
         while not stop and server.process is not None and server.process.poll() is None:
             time.sleep(0.5)
