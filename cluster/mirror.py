@@ -60,6 +60,13 @@ class Mirror:
             self._watch.cancel()
             self._watch = None
 
+    def num_keys(self) -> int:
+        return len(self.index)
+
+    def lag_s(self) -> float:
+        """Seconds since the mirror last applied anything from etcd (0 before the first snapshot)."""
+        return time.monotonic() - self.applied_at if self.applied_at else 0.0
+
     def workers(self) -> dict[str, NodeRecord]:
         """Live nodes by id (the router's ClusterView)."""
         return self.nodes

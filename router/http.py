@@ -29,6 +29,13 @@ def error_response(err: APIError) -> web.Response:
 
 
 @web.middleware
+async def count_requests(request: web.Request, handler) -> web.StreamResponse:
+    response = await handler(request)
+    request.app[ROUTER_KEY].metrics.requests.labels(request.path, str(response.status)).inc()
+    return response
+
+
+@web.middleware
 async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
@@ -146,7 +153,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(router: Router) -> web.Application:
-    app = web.Application(middlewares=[errors_as_json], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[count_requests, errors_as_json], client_max_size=MAX_BODY_BYTES)
     app[ROUTER_KEY] = router
     app.add_routes([
         web.post("/v1/completions", completions),

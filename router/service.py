@@ -43,6 +43,8 @@ class WorkerInfo(Protocol):
 class ClusterView(Protocol):
     def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]: ...
     def workers(self) -> dict[str, WorkerInfo]: ...
+    def num_keys(self) -> int: ...
+    def lag_s(self) -> float: ...
 
 
 class Tokenizer(Protocol):
@@ -223,6 +225,8 @@ class Router:
     def refresh_gauges(self) -> None:
         workers = self.live_workers()
         self.metrics.workers.set(len(workers))
+        self.metrics.index_keys.set(self.view.num_keys())
+        self.metrics.mirror_lag.set(self.view.lag_s())
         for node_id in workers:
             load = self.inflight.load_of(node_id)
             self.metrics.inflight.labels(node_id).set(load.num_queued + load.num_running)

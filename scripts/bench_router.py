@@ -53,6 +53,12 @@ class _StaticView:
     def longest_prefix(self, keys):
         return self.index.longest_prefix(keys)
 
+    def num_keys(self) -> int:
+        return len(self.index)
+
+    def lag_s(self) -> float:
+        return 0.0
+
 
 def decisions_per_second(num_tokens: int, num_workers: int, seconds: float = 3.0) -> tuple[float, float]:
     namespace = Namespace("tiny", block_size=16)

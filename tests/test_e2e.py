@@ -162,3 +162,17 @@ def test_worker_sigkill_is_survived(cluster, client):
     cluster.start_worker(victim_id)
     _wait_for_workers(cluster.router_url, 2)
     assert complete(client, prompt, salt="sigkill").usage.completion_tokens == 12
+
+
+def test_metrics_report_requests_hits_and_the_index(cluster, client):
+    complete(client, SHARED + "metrics", salt="metrics")
+    complete(client, SHARED + "metrics again", salt="metrics")
+    with urllib.request.urlopen(f"{cluster.router_url}/metrics") as reply:
+        text = reply.read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    assert values['prefixpool_requests_total{endpoint="/v1/completions",status="200"}'] >= 2
+    assert values["prefixpool_cached_tokens_total"] > 0
+    assert values["prefixpool_ttft_seconds_count"] >= 2
+    assert values["prefixpool_index_keys"] > 0
+    assert values["prefixpool_workers"] >= 1
+    assert values["prefixpool_hit_fraction_count"] >= 2
