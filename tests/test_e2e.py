@@ -1,5 +1,6 @@
 """End to end with the official `openai` client: a live router, 2 workers and etcd on 127.0.0.1."""
 
+import asyncio
 import json
 import os
 import signal
@@ -176,3 +177,16 @@ def test_metrics_report_requests_hits_and_the_index(cluster, client):
     assert values["prefixpool_index_keys"] > 0
     assert values["prefixpool_workers"] >= 1
     assert values["prefixpool_hit_fraction_count"] >= 2
+
+
+def test_live_trace_replay_reuses_the_traces_prefixes(cluster):
+    from cluster.replay_live import LiveConfig, replay_live, summary_table
+    from cluster.trace import load_trace
+
+    records = load_trace("conversation", limit=12)
+    config = LiveConfig(cluster.router_url, block_tokens=32, speedup=1000.0, concurrency=1, max_output=2, vocab_size=250)
+    results = asyncio.run(replay_live(records, config))
+    assert [r.error for r in results] == [None] * len(records)
+    assert sum(r.cached_tokens for r in results) > 0  # every conversation request starts with block id 0
+    assert all(r.ttft_s > 0 for r in results)
+    assert "| 12 | 0 |" in summary_table(results)
