@@ -29,3 +29,4 @@ class WorkerSettings:
     chunk_size: int = setting(512, "prefill chunk, in tokens")
     fetch_timeout_s: float = setting(5.0, "deadline of one block fetch from a peer")
     token: str = setting("", "shared token required on the internal API and transfer port")
+    corrupt_transfer_every: int = setting(0, "fault injection (chaos tests): flip a byte in every Nth block sent to peers; 0 is off")
