@@ -1,0 +1,226 @@
+"""Chaos: faults injected into a live cluster under steady load, with the cold-output oracle.
+
+    python scripts/chaos.py --requests 300 --rounds 2      (long run; prints a markdown table)
+
+Phases (each under load from scripts/chaos_client.steady_load):
+    baseline          no fault
+    sigkill           SIGKILL a worker, start it again
+    sigstop           SIGSTOP a worker past its lease TTL; while gone no route names it;
+                      SIGCONT: it re-registers and re-publishes its blocks
+    etcd_keep/wipe    restart etcd keeping / wiping its data
+    corrupt           a worker restarted with --corrupt-transfer-every 1 (every block it
+                      serves to a peer has a flipped byte on the wire)
+    pinned            many concurrent long requests on a small pool
+After each: answered == cold output, failures clean (503/4xx + JSON), recovery
+within a bound, every pool passes check_integrity with no block pinned at rest.
+tests/test_chaos.py runs the quick versions of the same functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cluster.launcher import LocalCluster  # noqa: E402
+from router.worker_api import AUTH_HEADER  # noqa: E402
+from scripts.chaos_client import ApiClient, Oracle, Outcome, Tally, steady_load, workload  # noqa: E402
+
+LEASE_TTL_S = 3
+# Children die with the *thread* that spawned them (PR_SET_PDEATHSIG follows the thread, not the
+# process), so workers are restarted from this one thread, which lives as long as the process:
+# asyncio.to_thread's executor is shut down by asyncio.run, and its workers would die with it.
+SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="chaos-spawner")
+WORKER_ARGS = ("--lease-ttl-s", str(LEASE_TTL_S), "--num-blocks", "48", "--max-batch-size", "4")
+
+
+class NotRecovered(AssertionError):
+    """The cluster did not come back within its bound."""
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    tally: Tally
+    recovery_s: float
+    pools_ok: bool
+    notes: str = ""
+
+
+def cluster_for(num_workers: int = 3, token: str = "", extra_worker_args: tuple[str, ...] = ()) -> LocalCluster:
+    worker_args = WORKER_ARGS + (("--token", token) if token else ()) + extra_worker_args
+    router_args = ("--worker-token", token) if token else ()
+    return LocalCluster(num_workers, worker_args=worker_args, router_args=router_args)
+
+
+async def wait_until(predicate, timeout_s: float, what: str, period_s: float = 0.2) -> float:
+    """Poll an async predicate; the seconds it took, or NotRecovered."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            if await predicate():
+                return time.monotonic() - started
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            pass
+        await asyncio.sleep(period_s)
+    raise NotRecovered(f"{what} not within {timeout_s}s")
+
+
+async def wait_ready(client: ApiClient, num_workers: int, timeout_s: float = 60.0) -> float:
+    """Until the router sees `num_workers` workers and a fresh request is answered."""
+    async def ready() -> bool:
+        status, body = await client.get_json("/readyz")
+        return status == 200 and body["workers"] == num_workers and (await client.complete("ping", salt=str(time.time()))).answered
+    return await wait_until(ready, timeout_s, f"{num_workers} workers serving")
+
+
+async def pool_reports(cluster: LocalCluster, token: str = "") -> dict[str, dict]:
+    headers = {AUTH_HEADER: token} if token else {}
+    reports = {}
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as session:
+        for node_id, child in cluster.workers.items():
+            async with session.get(f"{child.url}/debug/pool") as response:
+                assert response.status == 200, f"{node_id} /debug/pool answered {response.status}"
+                reports[node_id] = await response.json()
+    return reports
+
+
+async def quiet_pools(cluster: LocalCluster, token: str = "", timeout_s: float = 30.0) -> dict[str, dict]:
+    """Reports once no request is in flight anywhere; asserts integrity and zero pins at rest."""
+    latest: dict[str, dict] = {}
+
+    async def quiet() -> bool:
+        latest.update(await pool_reports(cluster, token))
+        return all(r["num_streams"] == 0 and r["num_pinned"] == 0 for r in latest.values())
+
+    try:
+        await wait_until(quiet, timeout_s, "pools at rest")
+    except NotRecovered as err:
+        raise NotRecovered(f"{err}: {latest}") from None
+    for node_id, report in latest.items():
+        assert report["integrity"] == "ok", f"{node_id}: {report['integrity']}"
+    return latest
+
+
+async def routes_naming(client: ApiClient, prompts: list[str], node_id: str) -> list[dict]:
+    """Route decisions for `prompts` that would run on, or fetch from, `node_id`."""
+    bad = []
+    for prompt in prompts:
+        status, plan = await client.post_json("/v1/route", {"model": "tiny", "prompt": prompt})
+        if status == 200 and (plan["worker"] == node_id or (plan["fetch"] or {}).get("from") == node_id
+                              or plan["matches"].get(node_id, 0) > 0):
+            bad.append(plan)
+    return bad
+
+
+async def blocks_of(client: ApiClient, prompts: list[str], node_id: str) -> int:
+    total = 0
+    for prompt in prompts:
+        status, plan = await client.post_json("/v1/route", {"model": "tiny", "prompt": prompt})
+        total += plan["matches"].get(node_id, 0) if status == 200 else 0
+    return total
+
+
+def pids_alive(pids: list[int]) -> list[int]:
+    """Of `pids`, those that still exist (and are not zombies)."""
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+# -- phases --------------------------------------------------------------------------------------
+
+async def under_load(client: ApiClient, prompts: list[str], fault, max_requests: int,
+                     concurrency: int = 3) -> tuple[list[Outcome], object]:
+    """Run `fault()` while clients send at most `max_requests`; stop the clients when it returns."""
+    stop = asyncio.Event()
+    load = asyncio.create_task(steady_load(client, prompts, stop, concurrency, max_requests))
+    try:
+        result = await fault()
+        await asyncio.sleep(1.0)  # some requests after the recovery, too
+    finally:
+        stop.set()
+    return await load, result
+
+
+async def spawn_worker(cluster: LocalCluster, node_id: str) -> None:
+    await asyncio.get_running_loop().run_in_executor(SPAWNER, cluster.start_worker, node_id)
+
+
+async def sigkill_worker(cluster: LocalCluster, client: ApiClient, node_id: str) -> float:
+    child = cluster.workers[node_id]
+    os.kill(child.pid, signal.SIGKILL)
+    await asyncio.to_thread(child.process.wait)
+    await spawn_worker(cluster, node_id)
+    return await wait_ready(client, len(cluster.workers))
+
+
+async def sigstop_worker(cluster: LocalCluster, client: ApiClient, node_id: str, prompts: list[str]) -> float:
+    """Stopped past its lease: it leaves the index; while gone no route names it; back after SIGCONT."""
+    pid = cluster.workers[node_id].pid
+    n = len(cluster.workers)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        async def gone() -> bool:
+            status, body = await client.get_json("/readyz")
+            return body["workers"] == n - 1
+        await wait_until(gone, LEASE_TTL_S * 4 + 5, f"{node_id} leaving the index")
+        for _ in range(2):  # while it is gone, with the load still running
+            named = await routes_naming(client, prompts, node_id)
+            assert not named, f"a route names the stopped {node_id}: {named[0]}"
+            await asyncio.sleep(0.5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    recovery = await wait_ready(client, n)
+
+    async def republished() -> bool:
+        return await blocks_of(client, prompts, node_id) > 0
+    await wait_until(republished, 30, f"{node_id} re-publishing its blocks")
+    return recovery
+
+
+async def restart_etcd(cluster: LocalCluster, client: ApiClient, keep_data: bool, prompts: list[str]) -> float:
+    await asyncio.to_thread(cluster.etcd.restart, keep_data)
+    recovery = await wait_ready(client, len(cluster.workers))
+
+    async def republished() -> bool:
+        return all([await blocks_of(client, prompts, node) > 0 for node in cluster.workers])
+    await wait_until(republished, 60, "every worker's blocks back in the index")
+    return recovery
+
+
+async def restart_corrupting(cluster: LocalCluster, client: ApiClient, node_id: str) -> float:
+    """Restart `node_id` so that every block it serves to peers is damaged on the wire."""
+    child = cluster.workers[node_id]
+    await asyncio.to_thread(child.stop)
+    base = cluster.worker_args
+    cluster.worker_args = base + ("--corrupt-transfer-every", "1")
+    try:
+        await spawn_worker(cluster, node_id)
+    finally:
+        cluster.worker_args = base
+    return await wait_ready(client, len(cluster.workers))
+
+
+async def pinned_flood(client: ApiClient, num_requests: int, prompt_chars: int = 330, max_tokens: int = 24) -> list[Outcome]:
+    """Many concurrent long requests on small pools: they wait for blocks, or fail cleanly."""
+    prompts = [f"{i:03d} " + ("long shared context line. " * 40)[:prompt_chars] for i in range(num_requests)]
+    prompts.append("x" * 48 * 16 + "an impossible one: larger than any pool")
+    outcomes = await asyncio.gather(*(client.complete(p, max_tokens=max_tokens) for p in prompts))
+    return list(outcomes)
