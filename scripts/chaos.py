@@ -33,6 +33,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cluster.launcher import LocalCluster  # noqa: E402
+from cluster.model_source import tokenizer_for  # noqa: E402
 from router.worker_api import AUTH_HEADER  # noqa: E402
 from scripts.chaos_client import ApiClient, Oracle, Outcome, Tally, steady_load, workload  # noqa: E402
 
@@ -216,6 +217,18 @@ async def restart_corrupting(cluster: LocalCluster, client: ApiClient, node_id: 
     finally:
         cluster.worker_args = base
     return await wait_ready(client, len(cluster.workers))
+
+
+async def warm_directly(cluster: LocalCluster, node_id: str, prompts: list[str], salt: str, token: str = "") -> None:
+    """Fill one worker's pool through its internal API, so that it alone holds these prompts' blocks."""
+    tokenizer = tokenizer_for("")
+    headers = {AUTH_HEADER: token} if token else {}
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        for i, prompt in enumerate(prompts):
+            request = {"request_id": f"warm-{i}", "tokens": tokenizer.encode(prompt), "max_tokens": 1, "cache_salt": salt}
+            async with session.post(f"{cluster.workers[node_id].url}/generate", json=request) as response:
+                assert response.status == 200, await response.text()
+                await response.read()
 
 
 async def pinned_flood(client: ApiClient, num_requests: int, prompt_chars: int = 330, max_tokens: int = 24) -> list[Outcome]:

@@ -165,7 +165,7 @@ class Tally:
 
 
 async def steady_load(client: ApiClient, prompts: list[str], stop: asyncio.Event, concurrency: int = 3,
-                      max_requests: int = 500, stream_every: int = 3, max_tokens: int = 8) -> list[Outcome]:
+                      max_requests: int = 500, stream_every: int = 3, max_tokens: int = 8, salt: str = "") -> list[Outcome]:
     """`concurrency` clients looping over `prompts` until `stop` is set or `max_requests` were sent."""
     outcomes: list[Outcome] = []
     counter = iter(range(max_requests))
@@ -175,7 +175,8 @@ async def steady_load(client: ApiClient, prompts: list[str], stop: asyncio.Event
             if stop.is_set():
                 return
             stream = stream_every > 0 and i % stream_every == 0
-            outcomes.append(await client.complete(prompts[i % len(prompts)], max_tokens=max_tokens, stream=stream))
+            prompt = prompts[i % len(prompts)]
+            outcomes.append(await client.complete(prompt, salt=salt, max_tokens=max_tokens, stream=stream))
 
     await asyncio.gather(*(one_client() for _ in range(concurrency)))
     return outcomes

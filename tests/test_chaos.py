@@ -25,6 +25,7 @@ from scripts.chaos import (
     sigstop_worker,
     under_load,
     wait_ready,
+    warm_directly,
 )
 from scripts.chaos_client import ApiClient, Oracle, Tally, steady_load, workload
 
@@ -94,8 +95,19 @@ def test_restart_etcd(cluster, oracle, keep_data):
 
 
 def test_corrupt_blocks_in_transit_cost_a_recompute(cluster, oracle):
-    run_phase(cluster, oracle, lambda client: restart_corrupting(cluster, client, "worker-0"), max_requests=45)
-    report = asyncio.run(pool_reports(cluster))
+    """worker-0 alone holds a tenant's prefixes and damages every block it serves: peers must recompute."""
+    run_phase(cluster, oracle, lambda client: restart_corrupting(cluster, client, "worker-0"), max_requests=12)
+
+    async def tenant_load() -> list:
+        await warm_directly(cluster, "worker-0", PROMPTS, salt="tenant-c")
+        client = ApiClient(cluster.router_url)
+        try:
+            return await steady_load(client, PROMPTS, asyncio.Event(), 4, 36, salt="tenant-c")
+        finally:
+            await client.close()
+    tally = Tally.of(asyncio.run(tenant_load()), oracle)
+    assert tally.wrong == [] and tally.dirty == [] and tally.served == 36
+    report = asyncio.run(quiet_pools(cluster))
     assert report["worker-0"]["corrupted_blocks_sent"] > 0, "no fetch was served by the corrupting worker"
     assert all(r["corrupted_blocks_sent"] == 0 for n, r in report.items() if n != "worker-0")
 
