@@ -117,7 +117,7 @@ def test_pool_full_of_pinned_blocks(cluster, oracle):
         client = ApiClient(cluster.router_url)
         try:
             outcomes = await pinned_flood(client, 10)
-            flood_oracle = await Oracle.build(client, [o.prompt for o in outcomes if o.answered])
+            flood_oracle = await Oracle.build(client, [o.prompt for o in outcomes if o.answered], max_tokens=24)
             await quiet_pools(cluster)
             return outcomes, flood_oracle
         finally:
