@@ -55,7 +55,7 @@ class PhaseResult:
     tally: Tally
     recovery_s: float
     pools_ok: bool
-    notes: str = ""
+    note: str = ""
 
 
 def cluster_for(num_workers: int = 3, token: str = "", extra_worker_args: tuple[str, ...] = ()) -> LocalCluster:
@@ -148,10 +148,11 @@ def pids_alive(pids: list[int]) -> list[int]:
 # -- phases --------------------------------------------------------------------------------------
 
 async def under_load(client: ApiClient, prompts: list[str], fault, max_requests: int,
-                     concurrency: int = 3) -> tuple[list[Outcome], object]:
-    """Run `fault()` while clients send at most `max_requests`; stop the clients when it returns."""
+                     concurrency: int = 3, pause_s: float = 0.2) -> tuple[list[Outcome], object]:
+    """Run `fault()` while paced clients send at most `max_requests`; stop them when it returns."""
     stop = asyncio.Event()
-    load = asyncio.create_task(steady_load(client, prompts, stop, concurrency, max_requests))
+    load = asyncio.create_task(steady_load(client, prompts, stop, concurrency, max_requests, pause_s=pause_s))
+    await asyncio.sleep(0.5)  # the fault lands on a loaded cluster
     try:
         result = await fault()
         await asyncio.sleep(1.0)  # some requests after the recovery, too
@@ -165,11 +166,13 @@ async def spawn_worker(cluster: LocalCluster, node_id: str) -> None:
 
 
 async def sigkill_worker(cluster: LocalCluster, client: ApiClient, node_id: str) -> float:
+    began = time.monotonic()
     child = cluster.workers[node_id]
     os.kill(child.pid, signal.SIGKILL)
     await asyncio.to_thread(child.process.wait)
     await spawn_worker(cluster, node_id)
-    return await wait_ready(client, len(cluster.workers))
+    await wait_ready(client, len(cluster.workers))
+    return time.monotonic() - began
 
 
 async def sigstop_worker(cluster: LocalCluster, client: ApiClient, node_id: str, prompts: list[str]) -> float:
@@ -188,7 +191,9 @@ async def sigstop_worker(cluster: LocalCluster, client: ApiClient, node_id: str,
             await asyncio.sleep(0.5)
     finally:
         os.kill(pid, signal.SIGCONT)
-    recovery = await wait_ready(client, n)
+        resumed = time.monotonic()
+    await wait_ready(client, n)
+    recovery = time.monotonic() - resumed
 
     async def republished() -> bool:
         return await blocks_of(client, prompts, node_id) > 0
@@ -197,13 +202,14 @@ async def sigstop_worker(cluster: LocalCluster, client: ApiClient, node_id: str,
 
 
 async def restart_etcd(cluster: LocalCluster, client: ApiClient, keep_data: bool, prompts: list[str]) -> float:
+    began = time.monotonic()
     await asyncio.to_thread(cluster.etcd.restart, keep_data)
-    recovery = await wait_ready(client, len(cluster.workers))
+    await wait_ready(client, len(cluster.workers))
 
     async def republished() -> bool:
         return all([await blocks_of(client, prompts, node) > 0 for node in cluster.workers])
     await wait_until(republished, 60, "every worker's blocks back in the index")
-    return recovery
+    return time.monotonic() - began
 
 
 async def restart_corrupting(cluster: LocalCluster, client: ApiClient, node_id: str) -> float:
@@ -237,3 +243,89 @@ async def pinned_flood(client: ApiClient, num_requests: int, prompt_chars: int =
     prompts.append("x" * 48 * 16 + "an impossible one: larger than any pool")
     outcomes = await asyncio.gather(*(client.complete(p, max_tokens=max_tokens) for p in prompts))
     return list(outcomes)
+
+
+# -- the long run ----------------------------------------------------------------------------------
+
+async def run_rounds(cluster: LocalCluster, rounds: int, requests: int) -> list[PhaseResult]:
+    prompts = workload(12)
+    client = ApiClient(cluster.router_url)
+    results: list[PhaseResult] = []
+    try:
+        await wait_ready(client, len(cluster.workers))
+        oracle = await Oracle.build(client, prompts)
+        for r in range(rounds):
+            victim = f"worker-{r % len(cluster.workers)}"
+            phases = {
+                "baseline": lambda: asyncio.sleep(5),
+                f"SIGKILL {victim}": lambda: sigkill_worker(cluster, client, victim),
+                f"SIGSTOP {victim} > lease, SIGCONT": lambda: sigstop_worker(cluster, client, victim, prompts),
+                "etcd restart, data kept": lambda: restart_etcd(cluster, client, True, prompts),
+                "etcd restart, data wiped": lambda: restart_etcd(cluster, client, False, prompts),
+                f"{victim} corrupts every block it serves": lambda: restart_corrupting(cluster, client, victim),
+            }
+            for name, fault in phases.items():
+                outcomes, recovery = await under_load(client, prompts, fault, requests)
+                if "corrupts" in name:
+                    salt = f"tenant-{r}"
+                    await warm_directly(cluster, victim, prompts, salt)
+                    outcomes += await steady_load(client, prompts, asyncio.Event(), 4, requests, salt=salt)
+                    corrupted = (await pool_reports(cluster))[victim]["corrupted_blocks_sent"]
+                    await spawn_restart(cluster, client, victim)  # back to an honest worker
+                await quiet_pools(cluster)
+                note = f"{corrupted} blocks corrupted in transit" if "corrupts" in name else ""
+                results.append(PhaseResult(name, Tally.of(outcomes, oracle), recovery or 0.0, True, note))
+                print_row(results[-1])
+            flood = await pinned_flood(client, 12)
+            flood_oracle = await Oracle.build(client, [o.prompt for o in flood if o.answered], max_tokens=24)
+            await quiet_pools(cluster)
+            tally = Tally.of(flood, flood_oracle)
+            results.append(PhaseResult("pinned flood (12 long + 1 impossible)", tally, 0.0, True,
+                                       f"impossible request answered {flood[-1].status}"))
+            print_row(results[-1])
+    finally:
+        await client.close()
+    return results
+
+
+async def spawn_restart(cluster: LocalCluster, client: ApiClient, node_id: str) -> float:
+    await asyncio.to_thread(cluster.workers[node_id].stop)
+    await spawn_worker(cluster, node_id)
+    return await wait_ready(client, len(cluster.workers))
+
+
+HEADER = ("| fault | requests | served | clean failures (503/4xx) | unclean | wrong outputs | recovery s | pools at rest | note |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+
+
+def print_row(result: PhaseResult) -> None:
+    t = result.tally
+    print(f"| {result.name} | {t.requests} | {t.served} | {t.clean_failures} | {len(t.dirty)} | {len(t.wrong)} | "
+          f"{result.recovery_s:.1f} | {'integrity ok, 0 pinned' if result.pools_ok else 'BROKEN'} | {result.note} |",
+          flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="chaos rounds against a local cluster (3 workers)")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=120, help="at most this many requests per phase")
+    args = parser.parse_args()
+    cluster = cluster_for(3).start()
+    pids = [cluster.etcd.pid, cluster.router.pid]
+    print(HEADER, flush=True)
+    try:
+        results = asyncio.run(run_rounds(cluster, args.rounds, args.requests))
+    finally:
+        pids += [c.pid for c in cluster.workers.values()]
+        cluster.stop()
+    total = sum((r.tally for r in results), Tally())
+    left = pids_alive(pids)
+    print(f"| **total** | {total.requests} | {total.served} | {total.clean_failures} | {len(total.dirty)} | "
+          f"{len(total.wrong)} | | | leftover processes: {len(left)} |")
+    for bad in (total.wrong + total.dirty)[:5]:
+        print("BAD:", bad)
+    return 0 if not total.wrong and not total.dirty and not left else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -165,8 +165,10 @@ class Tally:
 
 
 async def steady_load(client: ApiClient, prompts: list[str], stop: asyncio.Event, concurrency: int = 3,
-                      max_requests: int = 500, stream_every: int = 3, max_tokens: int = 8, salt: str = "") -> list[Outcome]:
-    """`concurrency` clients looping over `prompts` until `stop` is set or `max_requests` were sent."""
+                      max_requests: int = 500, stream_every: int = 3, max_tokens: int = 8, salt: str = "",
+                      pause_s: float = 0.0) -> list[Outcome]:
+    """`concurrency` clients looping over `prompts` (resting `pause_s` between requests) until `stop`
+    is set or `max_requests` were sent."""
     outcomes: list[Outcome] = []
     counter = iter(range(max_requests))
 
@@ -177,6 +179,7 @@ async def steady_load(client: ApiClient, prompts: list[str], stop: asyncio.Event
             stream = stream_every > 0 and i % stream_every == 0
             prompt = prompts[i % len(prompts)]
             outcomes.append(await client.complete(prompt, salt=salt, max_tokens=max_tokens, stream=stream))
+            await asyncio.sleep(pause_s)
 
     await asyncio.gather(*(one_client() for _ in range(concurrency)))
     return outcomes

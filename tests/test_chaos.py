@@ -54,13 +54,13 @@ def oracle(cluster) -> Oracle:
     return asyncio.run(build())
 
 
-def run_phase(cluster, oracle: Oracle, fault=None, max_requests: int = 30) -> Tally:
+def run_phase(cluster, oracle: Oracle, fault=None, max_requests: int = 150) -> Tally:
     """Load (with `fault` injected while it runs), then the verdict and the pools at rest."""
     async def phase() -> Tally:
         client = ApiClient(cluster.router_url)
         try:
             if fault is None:
-                outcomes = await steady_load(client, PROMPTS, asyncio.Event(), 3, max_requests)
+                outcomes = await steady_load(client, PROMPTS, asyncio.Event(), 3, 30)
             else:
                 outcomes, _ = await under_load(client, PROMPTS, lambda: fault(client), max_requests)
             await quiet_pools(cluster)
@@ -76,7 +76,7 @@ def run_phase(cluster, oracle: Oracle, fault=None, max_requests: int = 30) -> Ta
 
 
 def test_steady_load_is_correct_and_reuses_the_cache(cluster, oracle):
-    tally = run_phase(cluster, oracle, max_requests=30)
+    tally = run_phase(cluster, oracle)
     assert tally.served == tally.requests == 30
     assert tally.cached_tokens > 0  # the shared prefixes were reused
 
@@ -96,7 +96,7 @@ def test_restart_etcd(cluster, oracle, keep_data):
 
 def test_corrupt_blocks_in_transit_cost_a_recompute(cluster, oracle):
     """worker-0 alone holds a tenant's prefixes and damages every block it serves: peers must recompute."""
-    run_phase(cluster, oracle, lambda client: restart_corrupting(cluster, client, "worker-0"), max_requests=12)
+    run_phase(cluster, oracle, lambda client: restart_corrupting(cluster, client, "worker-0"), max_requests=60)
 
     async def tenant_load() -> list:
         await warm_directly(cluster, "worker-0", PROMPTS, salt="tenant-c")
