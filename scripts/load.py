@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.chaos import cluster_for, wait_ready  # noqa: E402
+from scripts.chaos_faults import cluster_for, wait_ready  # noqa: E402
 from scripts.chaos_client import ApiClient, Oracle, Outcome, Tally, workload  # noqa: E402
 
 

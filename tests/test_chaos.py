@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from scripts.chaos import (
+from scripts.chaos_faults import (
     cluster_for,
     pids_alive,
     pinned_flood,

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scripts.chaos import cluster_for, quiet_pools, wait_ready
+from scripts.chaos_faults import cluster_for, quiet_pools, wait_ready
 from scripts.chaos_client import ApiClient
 
 pytestmark = pytest.mark.timeout(300)
