@@ -185,8 +185,20 @@ class Worker:
         if stored or evicted:
             self.publisher.publish(stored=stored, removed=evicted)
 
-    # -- load ----------------------------------------------------------------------------------
+    # -- load and health --------------------------------------------------------------------------
 
     def load(self) -> WorkerLoad:
         speed = self._prefill_tokens / self._prefill_seconds if self._prefill_seconds else 0.0
         return WorkerLoad(self.engine.num_queued, self.engine.num_running, self.pool.num_free, speed)
+
+    def pool_report(self) -> dict:
+        """The pool's invariants and pins (GET /debug/pool): at rest, no block may stay pinned."""
+        try:
+            self.pool.check_integrity()
+            integrity = "ok"
+        except AssertionError as err:
+            integrity = str(err) or "integrity check failed"
+        return {"integrity": integrity, "num_blocks": self.pool.num_blocks, "num_free": self.pool.num_free,
+                "num_cached": self.pool.num_cached, "num_pinned": sum(1 for c in self.pool.ref_count if c > 0),
+                "num_streams": len(self._streams), "num_queued": self.engine.num_queued,
+                "num_running": self.engine.num_running}

@@ -35,6 +35,7 @@ from cluster.worker_http import STATE_KEY, build_app
 from cluster.worker_settings import WorkerSettings
 from store.arena import KVArena
 from store.pool import BlockPool
+from transfer.faults import source_for
 from transfer.fetcher import Fetcher
 from transfer.server import serve as serve_transfer
 
@@ -67,8 +68,9 @@ async def serve(settings: WorkerSettings) -> None:
     node_id = settings.node_id or f"{socket.gethostname()}-{os.getpid()}"
     advertise = settings.advertise_host or settings.host
     engine = build_engine(settings)
+    source = source_for(engine.pool, engine.arena, settings.corrupt_transfer_every)
     transfer = await serve_transfer(engine.pool, engine.arena, f"{settings.transfer}://{settings.host}:{settings.transfer_port}",
-                                    settings.token)
+                                    settings.token, source=source)
     http_socket = _bind(settings.host, settings.port)  # bound first: the record needs the real port
     http_url = f"http://{advertise}:{http_socket.getsockname()[1]}"
     record = NodeRecord(node_id, http_url, transfer.url.replace(f"//{settings.host}:", f"//{advertise}:"),
@@ -78,7 +80,7 @@ async def serve(settings: WorkerSettings) -> None:
     publisher = Publisher(etcd, membership, lambda: [(k, "device") for k in engine.pool.cached_keys()])
     fetcher = Fetcher(settings.token)
     worker = Worker(engine, engine.namespace, publisher, fetcher, settings.fetch_timeout_s)
-    app = build_app(worker, settings.token)
+    app = build_app(worker, settings.token, source)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.SockSite(runner, http_socket).start()

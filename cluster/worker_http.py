@@ -1,4 +1,5 @@
-"""The worker's internal HTTP API, called by routers: /generate (NDJSON stream), /load, /healthz.
+"""The worker's internal HTTP API, called by routers: /generate (NDJSON stream), /load, /healthz,
+and /debug/pool (pool integrity and pins, for chaos tests and operators).
 
 With a shared token configured, every request but /healthz must carry it.
 Knows nothing of engines or etcd: it serves a Worker.
@@ -14,11 +15,14 @@ from aiohttp import web
 
 from cluster.worker import Worker
 from router.worker_api import AUTH_HEADER, Failed, GenerateRequest, encode, encode_event
+from transfer.faults import num_corrupted
+from transfer.source import BlockSource
 
 log = logging.getLogger(__name__)
 WORKER_KEY: web.AppKey[Worker] = web.AppKey("worker", Worker)
 TOKEN_KEY: web.AppKey[str] = web.AppKey("token", str)
 STATE_KEY: web.AppKey[dict] = web.AppKey("state", dict)
+SOURCE_KEY: web.AppKey[BlockSource | None] = web.AppKey("source", BlockSource)
 _request_decoder = msgspec.json.Decoder(GenerateRequest)
 
 
@@ -62,15 +66,23 @@ async def load(request: web.Request) -> web.Response:
     return web.Response(body=encode(request.app[WORKER_KEY].load()), content_type="application/json")
 
 
+async def debug_pool(request: web.Request) -> web.Response:
+    report = request.app[WORKER_KEY].pool_report()
+    report["corrupted_blocks_sent"] = num_corrupted(request.app[SOURCE_KEY])
+    return web.json_response(report)
+
+
 async def healthz(request: web.Request) -> web.Response:
     serving = request.app[STATE_KEY]["serving"]
     return web.json_response({"status": "ok" if serving else "stopping"}, status=200 if serving else 503)
 
 
-def build_app(worker: Worker, token: str = "") -> web.Application:
+def build_app(worker: Worker, token: str = "", source: BlockSource | None = None) -> web.Application:
     app = web.Application(middlewares=[require_token], client_max_size=64 * 1024 * 1024)
     app[WORKER_KEY] = worker
     app[TOKEN_KEY] = token
     app[STATE_KEY] = {"serving": True}
-    app.add_routes([web.post("/generate", generate), web.get("/load", load), web.get("/healthz", healthz)])
+    app[SOURCE_KEY] = source
+    app.add_routes([web.post("/generate", generate), web.get("/load", load), web.get("/healthz", healthz),
+                    web.get("/debug/pool", debug_pool)])
     return app

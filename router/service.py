@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol, Sequence
 
-from router.errors import InvalidRequest, ModelNotFound, ServiceUnavailable, Unauthorized
+from router.errors import APIError, InvalidRequest, ModelNotFound, ServiceUnavailable, Unauthorized
 from router.inflight import InflightTracker
 from router.metrics import RouterMetrics
 from router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_tokens
@@ -219,7 +219,12 @@ class Router:
             cache_salt=prepared.cache_salt, ignore_eos=prepared.ignore_eos, fetch=fetch,
         )
 
-    def failure(self, event: Failed) -> ServiceUnavailable:
+    def failure(self, event: Failed) -> APIError:
+        """A worker's 4xx (a request no worker can ever serve) stays a 4xx; anything else is a 503."""
+        if 400 <= event.status < 500:
+            error = InvalidRequest(event.message, code="unservable_request")
+            error.status = event.status
+            return error
         return ServiceUnavailable(event.message, code="worker_failed")
 
     def refresh_gauges(self) -> None:

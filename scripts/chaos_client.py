@@ -1,0 +1,185 @@
+"""The chaos and load client: a bounded OpenAI workload, the cold-output oracle and the verdict.
+
+    client  = ApiClient(router_url, api_key)            aiohttp, one session
+    oracle  = await Oracle.build(client, prompts)       prompt -> output with a fresh cache_salt
+    outcomes = await steady_load(client, prompts, stop, concurrency=4, max_requests=400)
+    tally   = Tally.of(outcomes, oracle)                served / clean failures / dirty / wrong
+
+A fresh `cache_salt` puts a request in a namespace no block was ever stored
+in, so it is computed from scratch: with greedy sampling (temperature 0) that
+output is the truth every answered request must equal. A clean failure is a
+503 or a 4xx carrying an OpenAI error JSON; anything else is dirty. Knows
+nothing of processes or faults: scripts/chaos.py and the tests inject those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import aiohttp
+
+SYSTEM_PROMPTS = (
+    "You are a careful assistant. Answer briefly and cite the manual section. ",
+    "Translate the following customer message into plain English, keep names as they are. ",
+    "Summarise the log excerpt below; list each failing component once, by name. ",
+)
+
+
+def workload(num_prompts: int, suffix_chars: int = 24) -> list[str]:
+    """Prompts that share a few long prefixes (so blocks are reused and fetched) with distinct tails."""
+    prompts = []
+    for i in range(num_prompts):
+        tail = f"request {i:04d}: " + ("abcdefghij" * 20)[i % 7: i % 7 + suffix_chars]
+        prompts.append(SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)] + tail)
+    return prompts
+
+
+@dataclass
+class Outcome:
+    prompt: str
+    status: int
+    text: str | None = None  # None unless the request was answered in full
+    error: dict | None = None
+    usage: dict | None = None
+    ttft_s: float | None = None
+    salt: str = ""
+
+    @property
+    def answered(self) -> bool:
+        return self.status == 200 and self.text is not None
+
+    @property
+    def clean_failure(self) -> bool:
+        """503 or 4xx, with an OpenAI-style error object carrying a message."""
+        message = (self.error or {}).get("error", {}).get("message") if isinstance(self.error, dict) else None
+        return (self.status == 503 or 400 <= self.status < 500) and isinstance(message, str) and bool(message)
+
+
+class ApiClient:
+    def __init__(self, base_url: str, api_key: str = "", timeout_s: float = 120.0) -> None:
+        self.base_url = base_url
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def get_json(self, path: str) -> tuple[int, dict]:
+        async with self.session.get(self.base_url + path) as response:
+            return response.status, await response.json(content_type=None)
+
+    async def post_json(self, path: str, body: dict) -> tuple[int, dict]:
+        async with self.session.post(self.base_url + path, json=body) as response:
+            return response.status, await response.json(content_type=None)
+
+    async def complete(self, prompt: str, salt: str = "", max_tokens: int = 8, stream: bool = False) -> Outcome:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "cache_salt": salt}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        started = time.perf_counter()
+        try:
+            async with self.session.post(self.base_url + "/v1/completions", json=body) as response:
+                if response.status != 200 or not stream:
+                    payload = await response.json(content_type=None)
+                    if response.status != 200:
+                        return Outcome(prompt, response.status, error=payload, salt=salt)
+                    return Outcome(prompt, 200, payload["choices"][0]["text"], usage=payload["usage"],
+                                   ttft_s=time.perf_counter() - started, salt=salt)
+                return await _read_stream(prompt, salt, response, started)
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as err:
+            return Outcome(prompt, 0, error={"transport": repr(err)}, salt=salt)
+
+
+async def _read_stream(prompt: str, salt: str, response: aiohttp.ClientResponse, started: float) -> Outcome:
+    parts, usage, ttft = [], None, None
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: "):])
+        if "error" in chunk:  # broken off mid-stream: not an answer
+            return Outcome(prompt, 200, None, error=chunk, salt=salt)
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk.get("choices", ()):
+            if choice.get("text"):
+                ttft = ttft if ttft is not None else time.perf_counter() - started
+                parts.append(choice["text"])
+    return Outcome(prompt, 200, "".join(parts), usage=usage, ttft_s=ttft, salt=salt)
+
+
+class Oracle:
+    """Cold outputs: each prompt once, in its own fresh salt namespace (computed, never reused)."""
+
+    def __init__(self, cold: dict[str, str]) -> None:
+        self.cold = cold
+
+    @classmethod
+    async def build(cls, client: ApiClient, prompts: list[str], max_tokens: int = 8) -> "Oracle":
+        cold = {}
+        for prompt in dict.fromkeys(prompts):
+            outcome = await client.complete(prompt, salt=uuid.uuid4().hex, max_tokens=max_tokens)
+            assert outcome.answered, f"oracle request failed: {outcome}"
+            assert outcome.usage["prompt_tokens_details"]["cached_tokens"] == 0, "a fresh salt must compute"
+            cold[prompt] = outcome.text
+        return cls(cold)
+
+    def wrong(self, outcome: Outcome) -> bool:
+        return outcome.answered and outcome.text != self.cold[outcome.prompt]
+
+
+@dataclass
+class Tally:
+    requests: int = 0
+    served: int = 0
+    clean_failures: int = 0
+    dirty: list[Outcome] = field(default_factory=list)
+    wrong: list[Outcome] = field(default_factory=list)
+    cached_tokens: int = 0
+    fetched_tokens: int = 0
+
+    @classmethod
+    def of(cls, outcomes: list[Outcome], oracle: Oracle) -> "Tally":
+        tally = cls(requests=len(outcomes))
+        for outcome in outcomes:
+            if outcome.answered:
+                tally.served += 1
+                tally.cached_tokens += outcome.usage["prompt_tokens_details"]["cached_tokens"]
+                tally.fetched_tokens += outcome.usage.get("prefixpool", {}).get("fetched_tokens", 0)
+                if oracle.wrong(outcome):
+                    tally.wrong.append(outcome)
+            elif outcome.clean_failure:
+                tally.clean_failures += 1
+            else:
+                tally.dirty.append(outcome)
+        return tally
+
+    def __add__(self, other: "Tally") -> "Tally":
+        return Tally(self.requests + other.requests, self.served + other.served,
+                     self.clean_failures + other.clean_failures, self.dirty + other.dirty, self.wrong + other.wrong,
+                     self.cached_tokens + other.cached_tokens, self.fetched_tokens + other.fetched_tokens)
+
+
+async def steady_load(client: ApiClient, prompts: list[str], stop: asyncio.Event, concurrency: int = 3,
+                      max_requests: int = 500, stream_every: int = 3, max_tokens: int = 8, salt: str = "",
+                      pause_s: float = 0.0) -> list[Outcome]:
+    """`concurrency` clients looping over `prompts` (resting `pause_s` between requests) until `stop`
+    is set or `max_requests` were sent."""
+    outcomes: list[Outcome] = []
+    counter = iter(range(max_requests))
+
+    async def one_client() -> None:
+        for i in counter:
+            if stop.is_set():
+                return
+            stream = stream_every > 0 and i % stream_every == 0
+            prompt = prompts[i % len(prompts)]
+            outcomes.append(await client.complete(prompt, salt=salt, max_tokens=max_tokens, stream=stream))
+            await asyncio.sleep(pause_s)
+
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    return outcomes
