@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,12 @@ _PR_SET_PDEATHSIG = 1
 
 class ChildFailed(RuntimeError):
     """A child exited or stayed silent before announcing readiness."""
+
+
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process:
+# every child is forked from this one thread, which lives as long as the process, so a
+# caller on a short-lived thread (asyncio.to_thread, a Ray task) cannot get its children killed.
+_FORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixpool-forker")
 
 
 def die_with_parent() -> None:
@@ -67,8 +74,8 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
     """Start `argv` and wait for its READY line; raise ChildFailed with its log tail otherwise."""
     log_path = log_dir / f"{name}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - the child owns it for its lifetime
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, env={**os.environ, **(env or {})},
-                               preexec_fn=preexec_fn)
+    process = _FORKER.submit(subprocess.Popen, argv, stdout=subprocess.PIPE, stderr=log,
+                             env={**os.environ, **(env or {})}, preexec_fn=preexec_fn).result()
     deadline = time.monotonic() + timeout_s
     buffered = b""
     while time.monotonic() < deadline:

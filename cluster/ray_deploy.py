@@ -16,7 +16,6 @@ orphan. Knows nothing of engines or routing.
 from __future__ import annotations
 
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,18 +25,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.processes import Child, python_argv, spawn
 
 NAMESPACE = "prefixpool"
-# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, and Ray may run
-# an actor's creation task on a short-lived thread: fork from one thread that lives as
-# long as the actor process instead.
-_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixpool-spawner")
-
-
 class ProcessActor:
     """Runs one prefixpool component as a child process for as long as the actor lives."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
         log_dir = Path(tempfile.mkdtemp(prefix=f"prefixpool-{name}-"))
-        self.child: Child = _SPAWNER.submit(spawn, name, python_argv(*args), log_dir, env).result()
+        self.child: Child = spawn(name, python_argv(*args), log_dir, env)
 
     def url(self) -> str:
         return self.child.url

@@ -14,7 +14,6 @@ import asyncio
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -25,10 +24,6 @@ from router.worker_api import AUTH_HEADER
 from scripts.chaos_client import ApiClient, Outcome, steady_load
 
 LEASE_TTL_S = 3
-# Children die with the *thread* that spawned them (PR_SET_PDEATHSIG follows the thread, not the
-# process), so workers are restarted from this one thread, which lives as long as the process:
-# asyncio.to_thread's executor is shut down by asyncio.run, and its workers would die with it.
-SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="chaos-spawner")
 WORKER_ARGS = ("--lease-ttl-s", str(LEASE_TTL_S), "--num-blocks", "48", "--max-batch-size", "4")
 
 
@@ -140,7 +135,7 @@ async def under_load(client: ApiClient, prompts: list[str], fault, max_requests:
 
 
 async def spawn_worker(cluster: LocalCluster, node_id: str) -> None:
-    await asyncio.get_running_loop().run_in_executor(SPAWNER, cluster.start_worker, node_id)
+    await asyncio.to_thread(cluster.start_worker, node_id)  # processes.spawn forks on its own long-lived thread
 
 
 async def sigkill_worker(cluster: LocalCluster, client: ApiClient, node_id: str) -> float:
