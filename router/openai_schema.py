@@ -81,6 +81,8 @@ def decode(raw: bytes, kind: type[Body]) -> Body:
         raise InvalidField(str(err), param=_param_of(str(err)), code="invalid_type") from None
     except msgspec.DecodeError as err:
         raise InvalidRequest(f"request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
     _check_prompt(body)
     return body
 

@@ -13,32 +13,14 @@ from cluster.sampling import SamplingParams
 from store.arena import KVArena
 from store.keys import chain
 from store.pool import BlockPool
+from tests.engine_support import BLOCK, assert_clean, make_engine, tokens
 
-BLOCK = 4
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def model():
     return random_model(preset("tiny"), seed=1)
-
-
-def make_engine(model, num_blocks=64, chunk_size=512, max_batch_size=8):
-    config = model.config
-    arena = KVArena(arena_shape_for(config, num_blocks, BLOCK), model.dtype)
-    return Engine(model, BlockPool(num_blocks), arena, namespace_for(config, model.dtype, BLOCK),
-                  chunk_size=chunk_size, max_batch_size=max_batch_size)
-
-
-def assert_clean(engine):
-    engine.pool.check_integrity()
-    assert not engine.has_work()
-    assert engine.pool.ref_count == [0] * engine.pool.num_blocks, "leaked ref counts"
-
-
-def tokens(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
 
 
 def reference(model, prompt):
