@@ -17,7 +17,6 @@ from scripts.chaos_faults import (
     cluster_for,
     pids_alive,
     pinned_flood,
-    pool_reports,
     quiet_pools,
     restart_corrupting,
     restart_etcd,

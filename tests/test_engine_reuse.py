@@ -1,18 +1,14 @@
 """Reused KV gives the same answer as recompute: computed in the same call, reused from
 the pool after another request, or copied as raw bytes into a second pool and arena."""
 
-import random
 
 import pytest
 import torch
 
 from cluster.checkpoint import random_model
-from cluster.engine import Engine
-from cluster.model_config import arena_shape_for, namespace_for, preset
+from cluster.model_config import preset
 from cluster.sampling import SamplingParams
-from store.arena import KVArena
 from store.keys import chain
-from store.pool import BlockPool
 from tests.engine_support import BLOCK, assert_clean, make_engine, tokens
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

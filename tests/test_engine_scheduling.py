@@ -1,7 +1,6 @@
 """The engine's scheduling and block bookkeeping: batching, chunking, waiting for blocks,
 aborts, the split step, pool events, keys given from outside, sampling and stops."""
 
-import random
 
 import pytest
 import torch

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 
-from cluster.etcd_client import EtcdClient
 from cluster.etcd_layout import Layout
 from cluster.etcd_server import free_port
 from cluster.membership import decode_record

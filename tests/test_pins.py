@@ -1,6 +1,5 @@
 """Pins in the block pool and the pinned-prefix registry, on a hand-set clock."""
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

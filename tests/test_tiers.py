@@ -1,6 +1,5 @@
 """The tier chain: demote on eviction, promote before matching, bytes identical, restart warm."""
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
