@@ -17,11 +17,11 @@ import random
 import statistics
 import time
 import urllib.request
-from dataclasses import dataclass
 
 import numpy as np
 
 from cluster.launcher import LocalCluster
+from cluster.membership import NodeRecord
 from router.cost_model import CostModel
 from router.index import BlockIndex
 from router.openai_schema import CompletionBody
@@ -31,20 +31,10 @@ from router.worker_client import WorkerClient
 from store.keys import Namespace, chain
 
 
-@dataclass
-class _Worker:
-    node_id: str
-    http_url: str
-    transfer_url: str
-    num_queued: int = 0
-    num_running: int = 0
-    load_time: float = 0.0
-
-
 class _StaticView:
     """A fixed set of workers over a real BlockIndex (what the etcd mirror holds)."""
 
-    def __init__(self, workers: dict[str, _Worker], index: BlockIndex) -> None:
+    def __init__(self, workers: dict[str, NodeRecord], index: BlockIndex) -> None:
         self._workers, self.index = workers, index
 
     def workers(self):
@@ -62,7 +52,8 @@ class _StaticView:
 
 def decisions_per_second(num_tokens: int, num_workers: int, seconds: float = 3.0) -> tuple[float, float]:
     namespace = Namespace("tiny", block_size=16)
-    workers = {f"w{i}": _Worker(f"w{i}", f"http://127.0.0.1:{9000 + i}", "tcp://127.0.0.1:1") for i in range(num_workers)}
+    workers = {f"w{i}": NodeRecord(f"w{i}", f"http://127.0.0.1:{9000 + i}", "tcp://127.0.0.1:1", 16, 1024, "tiny")
+               for i in range(num_workers)}
     index = BlockIndex()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 250, num_tokens).tolist() for _ in range(32)]
