@@ -53,6 +53,9 @@ class _StaticView:
     def longest_prefix(self, keys):
         return self.index.longest_prefix(keys)
 
+    def tier_of(self, node_id, key):
+        return self.index.tier_of(node_id, key)
+
 
 def decisions_per_second(num_tokens: int, num_workers: int, seconds: float = 3.0) -> tuple[float, float]:
     namespace = Namespace("tiny", block_size=16)
