@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("cluster.launcher", "start etcd, N workers and a router on 127.0.0.1; Ctrl-C stops all"),
     "ray": ("cluster.ray_cli", "deploy on an existing Ray cluster (up) or remove the deployment (down)"),
     "replay": ("cluster.replay", "replay a Mooncake-format trace, simulated or against a live router"),
+    "pin": ("cluster.pin_cli", "pin (or unpin) a prefix on the workers through the router, for a TTL"),
 }
 
 

@@ -16,8 +16,12 @@ logits; that token counts as computed, not cached.
 Admission reserves blocks for prompt + max_tokens - 1 positions up front, so a
 running request never runs out mid-way and nothing is preempted; a request
 that does not fit now waits at the head of the queue, one that can never fit
-is refused at submit. Knows nothing of HTTP, etcd or transfers: it reports the
-keys it stored and evicted through `take_pool_events`.
+is refused at submit. Blocks come from an injected `allocate(num) -> Allocation`
+(default: the pool's own; a tiered worker passes one that demotes what it
+evicts). Under minimum residency an allocation can fail although enough blocks
+are free: the request waits for the next step, never for ever, since residency
+ends. Knows nothing of HTTP, etcd, tiers or transfers: it reports the keys it
+stored and evicted through `take_pool_events`.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from cluster.sampling import Sampler, SamplingParams
 from cluster.sequence import RequestStats, Sequence
 from store.arena import KVArena
 from store.keys import BlockKey, Namespace, chain_from, pack_tokens
-from store.pool import BlockPool
+from store.pool import Allocation, BlockPool, PoolExhausted
 
 
 class RequestTooLarge(ValueError):
@@ -45,19 +49,22 @@ class RequestTooLarge(ValueError):
 class Engine:
     def __init__(self, model: Transformer, pool: BlockPool, arena: KVArena, namespace: Namespace, *,
                  max_batch_size: int = 8, chunk_size: int = 512,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 allocate: Callable[[int], Allocation] | None = None) -> None:
         _check_fit(model, pool, arena, namespace)
         if chunk_size < max_batch_size:
             raise ValueError(f"chunk_size {chunk_size} < max_batch_size {max_batch_size}: decodes would starve prefill")
         self.model, self.pool, self.arena, self.namespace = model, pool, arena, namespace
         self.block_size = namespace.block_size
         self.max_batch_size, self.chunk_size, self.clock = max_batch_size, chunk_size, clock
+        self.allocate = allocate or pool.allocate
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._sequences: dict[int, Sequence] = {}
         self._in_flight: set[int] = set()
         self._next_id = 0
         self._pool_events: dict[BlockKey, bool] = {}   # key -> stored (True) or evicted, latest wins
+        self._refused: list[tuple[int, str]] = []
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, tokens: Seq[int], params: SamplingParams, keys: Seq[BlockKey] | None = None, *,
@@ -116,6 +123,11 @@ class Engine:
         events, self._pool_events = self._pool_events, {}
         return [k for k, stored in events.items() if stored], [k for k, stored in events.items() if not stored]
 
+    def take_refused(self) -> list[tuple[int, str]]:
+        """(request id, reason) of requests dropped because blocks held outside any request (pins) left no room."""
+        refused, self._refused = self._refused, []
+        return refused
+
     def _record(self, key: BlockKey, stored: bool) -> None:
         self._pool_events.pop(key, None)
         self._pool_events[key] = stored
@@ -139,7 +151,10 @@ class Engine:
         while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
             seq = self.waiting[0]
             if not self._admit(seq):
-                break
+                if self.running or not self._held_elsewhere(seq):
+                    break
+                self._refuse(self.waiting.popleft())
+                continue
             self.running.append(self.waiting.popleft())
             spans.append(self._span(seq, budget))
             budget -= spans[-1].end - spans[-1].start
@@ -217,7 +232,11 @@ class Engine:
         if needed > self.pool.num_free - unpinned_hits:
             return False
         self.pool.touch(cached)
-        allocation = self.pool.allocate(needed)
+        try:
+            allocation = self.allocate(needed)
+        except PoolExhausted:  # free blocks are still within their minimum residency: retry next step
+            self.pool.free(cached)
+            return False
         for key in allocation.evicted:
             self._record(key, stored=False)
         seq.block_ids = cached + allocation.block_ids
@@ -225,6 +244,18 @@ class Engine:
         seq.num_stored = len(cached) * self.block_size
         seq.num_computed = seq.num_cached_tokens = min(seq.num_stored, seq.num_prompt_tokens - 1)
         return True
+
+    def _held_elsewhere(self, seq: Sequence) -> bool:
+        """Nothing runs, yet the head does not fit even counting resident blocks: pins hold the rest."""
+        cached = self.pool.match(seq.keys)
+        unpinned_hits = sum(1 for block_id in cached if self.pool.ref_count[block_id] == 0)
+        return seq.num_blocks_needed(self.block_size) - len(cached) > self.pool.num_free - unpinned_hits
+
+    def _refuse(self, seq: Sequence) -> None:
+        held = self.pool.num_blocks - self.pool.num_free
+        self._refused.append((seq.request_id, f"pool exhausted: {held} of {self.pool.num_blocks} blocks are "
+                                              f"pinned or held; retry later"))
+        del self._sequences[seq.request_id]
 
     def _span(self, seq: Sequence, budget: int) -> ScheduledSpan:
         start = seq.num_computed

@@ -75,6 +75,9 @@ class Mirror:
         """Per node, how many blocks from keys[0] on it holds consecutively."""
         return self.index.longest_prefix(keys)
 
+    def tier_of(self, node_id: str, key: BlockKey) -> str | None:
+        return self.index.tier_of(node_id, key)
+
     async def wait_revision(self, revision: int, timeout_s: float = 10.0) -> None:
         """Until the mirror has applied everything up to `revision`, which must be the revision of a
         write under the prefix (what Publisher.flush returns): etcd 3.5.1's progress notifications

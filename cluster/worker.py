@@ -4,8 +4,12 @@
       keys = chain(tokens)                       hashed at the edge, salted per tenant
       fetch plan? -> transfer.fetch(peer, keys[local:end])   (a hint: the peer re-checks;
                      failures cost a recompute, never an error)
-      engine.submit(tokens, keys) -> events stream back; blocks stored / evicted are
-      published to etcd by the publisher, off the request path
+      tiers.promote(keys)  the run found in host memory or on the SSD is copied up
+      engine.submit(tokens, keys) -> events stream back; every key whose tier changed
+      is published, in its fastest tier, by the publisher, off the request path
+
+Admin pins (pin/unpin) hold a prefix's device blocks for a TTL; with a
+soft-pin budget the most hit prefixes are pinned by themselves.
 
 The engine's forward pass runs in a thread; every pool operation (engine
 schedule/finish, transfer serving and fetching) stays on the event loop
@@ -23,8 +27,11 @@ from typing import AsyncIterator, Protocol
 from cluster.batch import Batch, TokenEvent
 from cluster.engine import Engine
 from cluster.sampling import SamplingParams
+from cluster.node_tiers import DeviceOnly, NodeTiers, by_tier
 from router.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage, WorkerLoad
 from store.keys import BlockKey, Namespace, chain
+from store.pins import PrefixPins
+from store.pool import PoolExhausted
 from transfer.errors import TransferError
 from transfer.fetcher import Fetcher
 
@@ -32,7 +39,17 @@ log = logging.getLogger(__name__)
 
 
 class BlockPublisher(Protocol):
-    def publish(self, stored: list[BlockKey] = ..., removed: list[BlockKey] = ...) -> None: ...
+    def publish(self, stored: list[BlockKey] = ..., removed: list[BlockKey] = ..., tier: str = ...) -> None: ...
+
+
+class PinRefused(ValueError):
+    """An admin pin that names no full block."""
+
+
+@dataclass(frozen=True)
+class WorkerPeriods:
+    collect_s: float = 0.2  # SSD writes finished -> published
+    soft_refresh_s: float = 10.0
 
 
 @dataclass
@@ -41,12 +58,14 @@ class _Stream:
     fetched_tokens: int = 0
     fetched_bytes: int = 0
     pinned: list[int] = field(default_factory=list)
+    promoted_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
 
 
 class Worker:
     def __init__(self, engine: Engine, namespace: Namespace, publisher: BlockPublisher, fetcher: Fetcher,
-                 fetch_timeout_s: float = 5.0) -> None:
+                 fetch_timeout_s: float = 5.0, tiers: DeviceOnly | NodeTiers | None = None,
+                 pins: PrefixPins | None = None, periods: WorkerPeriods = WorkerPeriods()) -> None:
         self.engine = engine
         self.pool = engine.pool
         self.arena = engine.arena
@@ -57,6 +76,10 @@ class Worker:
         self._streams: dict[int, _Stream] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self.tiers = tiers or DeviceOnly(engine.pool)
+        self.pins = pins or PrefixPins(engine.pool)
+        self.periods = periods
+        self._tasks: list[asyncio.Task] = []
         self._prefill_tokens = 0
         self._prefill_seconds = 0.0
 
@@ -64,13 +87,17 @@ class Worker:
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run(), name="engine-loop")
+        self._tasks = [asyncio.create_task(self._collect(), name="tier-collect")]
+        if self.pins.soft_budget_blocks:
+            self._tasks.append(asyncio.create_task(self._refresh_soft_pins(), name="soft-pins"))
 
     async def stop(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        for task in [t for t in (self._loop_task, *self._tasks) if t is not None]:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         for request_id in list(self._streams):
             self._release(request_id)
+        self.tiers.close()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -79,6 +106,8 @@ class Worker:
         stream = _Stream()
         if request.fetch is not None:
             await self._fetch(request, keys, stream)
+        self._promote(keys, stream)
+        self.pins.record_hits(keys[: len(self.pool.match(keys))])
         try:
             params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
                                     top_p=request.top_p, seed=request.seed, ignore_eos=request.ignore_eos)
@@ -109,12 +138,26 @@ class Worker:
                                               deadline_s=self.fetch_timeout_s)
         except TransferError as err:
             log.warning("fetch from %s failed (%s); recomputing", plan.peer, err)
-            self.publisher.publish(stored=list(err.stored or ()), removed=list(err.evicted or ()))
+            self._publish([*(err.stored or ()), *(err.evicted or ())])
             return
-        self.publisher.publish(stored=result.keys, removed=result.evicted)
+        except PoolExhausted as err:  # free blocks are within their minimum residency
+            log.info("no room to fetch from %s (%s); recomputing", plan.peer, err)
+            return
+        self._publish([*result.keys, *result.evicted])
         stream.pinned = result.block_ids  # held until the request ends, so admission finds them
         stream.fetched_tokens = len(result.keys) * self.namespace.block_size
         stream.fetched_bytes = result.num_bytes
+
+    def _promote(self, keys: list[BlockKey], stream: _Stream) -> None:
+        """Copy the host/SSD run after the device prefix up, and hold it until the request ends."""
+        promoted = self.tiers.promote(keys)
+        if not promoted:
+            return
+        block_ids = [self.pool.index[key] for key in promoted]
+        self.pool.touch(block_ids)
+        stream.pinned.extend(block_ids)
+        stream.promoted_tokens = len(promoted) * self.namespace.block_size
+        self._publish_touched()
 
     def _release(self, request_id: int) -> None:
         stream = self._streams.pop(request_id, None)
@@ -145,6 +188,9 @@ class Worker:
 
     async def _step(self) -> None:
         batch = self.engine.schedule()
+        for request_id, reason in self.engine.take_refused():
+            if request_id in self._streams:
+                self._streams[request_id].queue.put_nowait(Failed(reason, 503))
         if not batch.spans:  # waiting for blocks that running requests still pin
             await asyncio.sleep(0.005)
             return
@@ -182,8 +228,51 @@ class Worker:
 
     def _publish_pool_events(self) -> None:
         stored, evicted = self.engine.take_pool_events()
-        if stored or evicted:
-            self.publisher.publish(stored=stored, removed=evicted)
+        self._publish([*stored, *evicted, *self.tiers.take_touched()])
+
+    def _publish_touched(self) -> None:
+        self._publish(self.tiers.take_touched())
+
+    def _publish(self, keys: list[BlockKey]) -> None:
+        """Each key in the fastest tier that holds it now, or deleted when none does."""
+        if not keys:
+            return
+        stored, removed = by_tier(self.tiers, keys)
+        if removed:
+            self.publisher.publish(removed=removed)
+        for tier, tier_keys in stored.items():
+            self.publisher.publish(stored=tier_keys, tier=tier)
+
+    async def _collect(self) -> None:
+        while True:
+            await asyncio.sleep(self.periods.collect_s)
+            self.tiers.collect()
+            self._publish_touched()
+
+    async def _refresh_soft_pins(self) -> None:
+        while True:
+            await asyncio.sleep(self.periods.soft_refresh_s)
+            self.pins.refresh_soft()
+
+    # -- admin pins ----------------------------------------------------------------------------
+
+    def pin(self, tokens: list[int], cache_salt: str, ttl_s: float, name: str = "") -> dict:
+        """Pin the prefix's device blocks for `ttl_s` (promoting what host/SSD hold; the rest pins on commit)."""
+        keys = chain(tokens, self.namespace.with_salt(cache_salt))
+        if not keys:
+            raise PinRefused(f"{len(tokens)} tokens make no full block of {self.namespace.block_size}")
+        if self.tiers.promote(keys):
+            self._publish_touched()
+        name = name or keys[-1].hex()
+        held = self.pins.pin(name, keys, ttl_s)
+        return {"name": name, "num_blocks": len(keys), "num_held": len(held)}
+
+    def unpin(self, name: str = "", tokens: list[int] | None = None, cache_salt: str = "") -> str | None:
+        """Release a named pin (by its name, or the prefix it was made from); the name, or None if none was held."""
+        if not name and tokens:
+            keys = chain(tokens, self.namespace.with_salt(cache_salt))
+            name = keys[-1].hex() if keys else ""
+        return name if self.pins.unpin(name) else None
 
     # -- load and health --------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """The worker's internal HTTP API, called by routers: /generate (NDJSON stream), /load, /healthz,
-and /debug/pool (pool integrity and pins, for chaos tests and operators).
+and /debug/pool (pool integrity and pins, for chaos tests and operators), and POST / DELETE
+/admin/pin (pin a prefix by tokens or text for a TTL, or release it).
 
 With a shared token configured, every request but /healthz must carry it.
 Knows nothing of engines or etcd: it serves a Worker.
@@ -13,8 +14,9 @@ import logging
 import msgspec
 from aiohttp import web
 
-from cluster.worker import Worker
-from router.worker_api import AUTH_HEADER, Failed, GenerateRequest, encode, encode_event
+from cluster.worker import PinRefused, Worker
+from router.tokenizer import ByteTokenizer, Tokenizer
+from router.worker_api import AUTH_HEADER, Failed, GenerateRequest, PinReply, PinRequest, encode, encode_event
 from transfer.faults import num_corrupted
 from transfer.source import BlockSource
 
@@ -23,7 +25,9 @@ WORKER_KEY: web.AppKey[Worker] = web.AppKey("worker", Worker)
 TOKEN_KEY: web.AppKey[str] = web.AppKey("token", str)
 STATE_KEY: web.AppKey[dict] = web.AppKey("state", dict)
 SOURCE_KEY: web.AppKey[BlockSource | None] = web.AppKey("source", BlockSource)
+TOKENIZER_KEY: web.AppKey[Tokenizer] = web.AppKey("tokenizer", object)
 _request_decoder = msgspec.json.Decoder(GenerateRequest)
+_pin_decoder = msgspec.json.Decoder(PinRequest)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -62,6 +66,41 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def _pin_request(request: web.Request) -> tuple[PinRequest, list[int]] | web.Response:
+    try:
+        body = _pin_decoder.decode(await request.read())
+    except msgspec.DecodeError as err:
+        return _error(400, f"bad pin request: {err}")
+    tokens = body.tokens or (request.app[TOKENIZER_KEY].encode(body.text) if body.text else [])
+    if not tokens and not body.name:
+        return _error(400, "give the prefix as tokens or text (or, to unpin, its name)")
+    return body, tokens
+
+
+async def pin(request: web.Request) -> web.Response:
+    parsed = await _pin_request(request)
+    if isinstance(parsed, web.Response):
+        return parsed
+    body, tokens = parsed
+    if body.ttl_s <= 0:
+        return _error(400, "ttl_s must be positive")
+    try:
+        reply = request.app[WORKER_KEY].pin(tokens, body.cache_salt, body.ttl_s, body.name)
+    except PinRefused as err:
+        return _error(400, str(err))
+    return web.Response(body=encode(PinReply(**reply)), content_type="application/json")
+
+
+async def unpin(request: web.Request) -> web.Response:
+    parsed = await _pin_request(request)
+    if isinstance(parsed, web.Response):
+        return parsed
+    body, tokens = parsed
+    name = request.app[WORKER_KEY].unpin(body.name, tokens, body.cache_salt)
+    reply = PinReply(name=name or body.name, num_blocks=0, num_held=0, unpinned=bool(name))
+    return web.Response(body=encode(reply), content_type="application/json")
+
+
 async def load(request: web.Request) -> web.Response:
     return web.Response(body=encode(request.app[WORKER_KEY].load()), content_type="application/json")
 
@@ -77,12 +116,14 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok" if serving else "stopping"}, status=200 if serving else 503)
 
 
-def build_app(worker: Worker, token: str = "", source: BlockSource | None = None) -> web.Application:
+def build_app(worker: Worker, token: str = "", tokenizer: Tokenizer | None = None,
+              source: BlockSource | None = None) -> web.Application:
     app = web.Application(middlewares=[require_token], client_max_size=64 * 1024 * 1024)
     app[WORKER_KEY] = worker
     app[TOKEN_KEY] = token
     app[STATE_KEY] = {"serving": True}
     app[SOURCE_KEY] = source
+    app[TOKENIZER_KEY] = tokenizer or ByteTokenizer()
     app.add_routes([web.post("/generate", generate), web.get("/load", load), web.get("/healthz", healthz),
-                    web.get("/debug/pool", debug_pool)])
+                    web.get("/debug/pool", debug_pool), web.post("/admin/pin", pin), web.delete("/admin/pin", unpin)])
     return app

@@ -46,7 +46,9 @@ class CostModel:
         return queued_prefill_tokens / self.prefill_tokens_per_s + num_running * self.decode_step_s
 
     def tier_read_s(self, tier: str, num_blocks: int) -> float:
-        bandwidth = {"device": None, "host": self.host_read_bytes_per_s, "ssd": self.ssd_read_bytes_per_s}[tier]
+        """Seconds to bring `num_blocks` up from `tier` (a worker's "disk" tier is the SSD)."""
+        bandwidth = {"device": None, "host": self.host_read_bytes_per_s, "disk": self.ssd_read_bytes_per_s,
+                     "ssd": self.ssd_read_bytes_per_s}[tier]
         return 0.0 if bandwidth is None else num_blocks * self.block_bytes / bandwidth
 
     def with_prefill_speed(self, tokens_per_s: float) -> "CostModel":

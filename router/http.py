@@ -1,4 +1,4 @@
-"""The router's HTTP surface (aiohttp): OpenAI endpoints, /v1/route, health and metrics.
+"""The router's HTTP surface (aiohttp): OpenAI endpoints, /v1/route, /v1/admin/pin, health and metrics.
 
 Handlers translate between HTTP and the Router service; every APIError (and
 aiohttp's own 4xx) leaves as OpenAI-style error JSON. Knows nothing of etcd,
@@ -13,6 +13,7 @@ import logging
 from aiohttp import web
 
 from router import openai_format as fmt
+from router.admin_pin import decode_pin, forward_pin
 from router.detokenizer import Detokenizer
 from router.errors import APIError, InternalError, InvalidRequest, RouteNotFound
 from router.openai_schema import ChatBody, CompletionBody, RouteBody, decode
@@ -74,6 +75,16 @@ async def route(request: web.Request) -> web.Response:
     router = _router(request)
     prepared = router.prepare(decode(await request.read(), RouteBody))
     return web.json_response(router.explain(prepared))
+
+
+async def pin(request: web.Request) -> web.Response:
+    router = _router(request)
+    return web.json_response(await forward_pin(router, decode_pin(await request.read()), unpin=False))
+
+
+async def unpin(request: web.Request) -> web.Response:
+    router = _router(request)
+    return web.json_response(await forward_pin(router, decode_pin(await request.read()), unpin=True))
 
 
 async def _serve(request: web.Request, router: Router, prepared: Prepared) -> web.StreamResponse:
@@ -159,6 +170,8 @@ def build_app(router: Router) -> web.Application:
         web.post("/v1/completions", completions),
         web.post("/v1/chat/completions", chat_completions),
         web.post("/v1/route", route),
+        web.post("/v1/admin/pin", pin),
+        web.delete("/v1/admin/pin", unpin),
         web.get("/v1/models", models),
         web.get("/healthz", healthz),
         web.get("/readyz", readyz),

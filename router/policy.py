@@ -2,6 +2,7 @@
 
     cost           min over workers of  queue wait + prefill of what it must compute
                                         + transfer of what it can fetch from a peer
+                                        + reading its own host/SSD hits up to the device
     cost_local     the same, never fetching (each node only reuses its own cache)
     least_load     fewest queued prefill tokens, then fewest running
     longest_prefix most locally matched blocks, load ignored (piles up on hot prefixes)
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from router.cost_model import CostModel
 
@@ -27,6 +28,8 @@ from router.cost_model import CostModel
 class RouteRequest:
     num_prompt_tokens: int
     num_blocks: int  # full blocks of the prompt (keys)
+    # node -> {tier: blocks} of its matched prefix that sit below the device ("host", "disk")
+    lower_tier_blocks: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,11 @@ class Terms:
     queue_s: float
     prefill_s: float
     transfer_s: float
+    tier_read_s: float = 0.0  # host/SSD hits promoted before prefill: between a device hit and a recompute
 
     @property
     def ttft_s(self) -> float:
-        return self.queue_s + self.prefill_s + self.transfer_s
+        return self.queue_s + self.prefill_s + self.transfer_s + self.tier_read_s
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,9 @@ def _option(worker: str, local: int, peer: str | None, fetch_blocks: int, reques
     cached = _cached_tokens(request, local + fetch_blocks, costs)
     prefill_s = costs.prefill_s(request.num_prompt_tokens - cached, cached)
     transfer_s = costs.transfer_s(fetch_blocks) if fetch_blocks else 0.0
-    return Terms(worker, local, peer, fetch_blocks, queue_s, prefill_s, transfer_s)
+    lower = request.lower_tier_blocks.get(worker, {})
+    read_s = sum(costs.tier_read_s(tier, blocks) for tier, blocks in lower.items())
+    return Terms(worker, local, peer, fetch_blocks, queue_s, prefill_s, transfer_s, read_s)
 
 
 def plan_of(request: RouteRequest, chosen: Terms, candidates: tuple[Terms, ...], costs: CostModel) -> Plan:

@@ -23,6 +23,7 @@ from router.inflight import InflightTracker
 from router.metrics import RouterMetrics
 from router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_tokens
 from router.cost_model import CostModel
+from router.index import DEVICE
 from router.policy import NodeLoad, Plan, RouteRequest, policies
 from router.worker_api import Done, Failed, FetchPlan, GenerateRequest, Token
 from router.worker_client import WorkerClient, WorkerUnreachable
@@ -42,6 +43,7 @@ class WorkerInfo(Protocol):
 
 class ClusterView(Protocol):
     def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]: ...
+    def tier_of(self, node_id: str, key: BlockKey) -> str | None: ...
     def workers(self) -> dict[str, WorkerInfo]: ...
     def num_keys(self) -> int: ...
     def lag_s(self) -> float: ...
@@ -155,8 +157,19 @@ class Router:
         keys = self.keys_of(prepared)
         matches = {n: m for n, m in self.view.longest_prefix(keys).items() if n in workers}
         loads = {n: self._load(n, w) for n, w in workers.items()}
-        request = RouteRequest(num_prompt_tokens=len(prepared.tokens), num_blocks=len(keys))
+        request = RouteRequest(len(prepared.tokens), len(keys), self._lower_tiers(keys, matches))
         return self._choose(request, matches, loads, self.costs, self.rng), matches
+
+    def _lower_tiers(self, keys: list[BlockKey], matches: dict[str, int]) -> dict[str, dict[str, int]]:
+        """Per node, how many blocks of its matched prefix sit in each tier below the device."""
+        lower: dict[str, dict[str, int]] = {}
+        for node_id, num in matches.items():
+            for key in keys[:num]:
+                tier = self.view.tier_of(node_id, key)
+                if tier is not None and tier != DEVICE:
+                    counts = lower.setdefault(node_id, {})
+                    counts[tier] = counts.get(tier, 0) + 1
+        return lower
 
     def _load(self, node_id: str, worker: WorkerInfo) -> NodeLoad:
         """Our own in-flight work, or the worker's report where that is larger (other routers' work).
@@ -171,8 +184,10 @@ class Router:
 
     def explain(self, prepared: Prepared) -> dict:
         plan, matches = self.decide(prepared)
-        return {"num_prompt_tokens": len(prepared.tokens), "num_blocks": len(self.keys_of(prepared)),
-                "policy": self.config.policy, "matches": matches, **plan.explain()}
+        keys = self.keys_of(prepared)
+        return {"num_prompt_tokens": len(prepared.tokens), "num_blocks": len(keys),
+                "policy": self.config.policy, "matches": matches, "lower_tiers": self._lower_tiers(keys, matches),
+                **plan.explain()}
 
     # -- generation ----------------------------------------------------------------------------
 

@@ -68,6 +68,23 @@ class Failed(msgspec.Struct, frozen=True, tag="failed"):
 Event = Token | Done | Failed
 
 
+class PinRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """POST {worker}/admin/pin (pin) or DELETE (unpin): a prefix by tokens or text, as the tenant salts it."""
+
+    tokens: list[int] = []
+    text: str = ""
+    cache_salt: str = ""
+    ttl_s: float = 300.0
+    name: str = ""  # default: the hex key of the prefix's last full block
+
+
+class PinReply(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    num_blocks: int  # full blocks of the prefix
+    num_held: int  # of those, pinned in device blocks now (the rest pin when computed)
+    unpinned: bool = False
+
+
 class WorkerLoad(msgspec.Struct, frozen=True):
     num_queued: int
     num_running: int

@@ -11,7 +11,7 @@ from typing import AsyncIterator
 import aiohttp
 import msgspec
 
-from router.worker_api import AUTH_HEADER, Event, GenerateRequest, WorkerLoad, decode_event, encode
+from router.worker_api import AUTH_HEADER, Event, GenerateRequest, PinReply, PinRequest, WorkerLoad, decode_event, encode
 
 class WorkerUnreachable(Exception):
     """The worker could not be reached or its stream broke off."""
@@ -41,6 +41,17 @@ class WorkerClient:
                 async for line in response.content:
                     if line.strip():
                         yield decode_event(line)
+        except (aiohttp.ClientError, ConnectionError, TimeoutError) as err:
+            raise WorkerUnreachable(f"{worker_url}: {err!r}") from err
+
+    async def pin(self, worker_url: str, request: PinRequest, unpin: bool = False) -> PinReply:
+        """POST (pin) or DELETE (unpin) {worker}/admin/pin."""
+        try:
+            async with self._client().request("DELETE" if unpin else "POST", f"{worker_url}/admin/pin",
+                                              data=encode(request)) as response:
+                if response.status != 200:
+                    raise WorkerUnreachable(f"worker answered {response.status}: {(await response.text())[:200]}")
+                return msgspec.json.decode(await response.read(), type=PinReply)
         except (aiohttp.ClientError, ConnectionError, TimeoutError) as err:
             raise WorkerUnreachable(f"{worker_url}: {err!r}") from err
 

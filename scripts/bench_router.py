@@ -49,6 +49,9 @@ class _StaticView:
     def lag_s(self) -> float:
         return 0.0
 
+    def tier_of(self, node_id, key):
+        return self.index.tier_of(node_id, key)
+
 
 def decisions_per_second(num_tokens: int, num_workers: int, seconds: float = 3.0) -> tuple[float, float]:
     namespace = Namespace("tiny", block_size=16)

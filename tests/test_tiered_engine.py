@@ -1,0 +1,149 @@
+"""The engine on a tiered pool, in one process: evicted blocks are demoted, promoted back before
+admission, and the output equals a cold recompute; residency and pins never hang the engine."""
+
+import random
+
+import pytest
+
+from cluster.checkpoint import random_model
+from cluster.engine import Engine
+from cluster.model_config import arena_shape_for, namespace_for, preset
+from cluster.sampling import SamplingParams
+from store.arena import KVArena
+from store.disk_tier import DiskTier
+from store.host_tier import HostTier
+from store.keys import chain
+from store.pool import BlockPool
+from store.tiers import TieredPool
+
+BLOCK = 4
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(preset("tiny"), seed=1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_engine(model, num_blocks=16, host_blocks=0, disk_dir=None, min_residency_s=0.0, clock=None):
+    config = model.config
+    arena = KVArena(arena_shape_for(config, num_blocks, BLOCK), model.dtype)
+    pool = BlockPool(num_blocks, min_residency_s, clock or Clock())
+    host = HostTier(host_blocks, arena.block_bytes) if host_blocks else None
+    disk = DiskTier(disk_dir, arena.block_bytes, 256) if disk_dir else None
+    tiers = TieredPool(pool, arena, host, disk)
+    changes = []
+
+    def allocate(num):
+        alloc, tier_changes = tiers.allocate(num)
+        changes.append(tier_changes)
+        return alloc
+
+    engine = Engine(model, pool, arena, namespace_for(config, model.dtype, BLOCK), allocate=allocate)
+    return engine, tiers, changes
+
+
+def tokens(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def cold_output(model, prompt):
+    engine, _, _ = make_engine(model, num_blocks=32)
+    return engine.generate(prompt, GREEDY)[0]
+
+
+def flush_device(engine, seed):
+    """Run distinct prompts until the device pool has been turned over."""
+    for i in range(3):
+        engine.generate(tokens(40, seed + i), GREEDY)
+
+
+def test_plain_allocator_is_the_default(model):
+    config = model.config
+    pool = BlockPool(8)
+    engine = Engine(model, pool, KVArena(arena_shape_for(config, 8, BLOCK), model.dtype),
+                    namespace_for(config, model.dtype, BLOCK))
+    assert engine.allocate == pool.allocate
+
+
+def test_prefix_promoted_from_host_equals_recompute(model):
+    engine, tiers, changes = make_engine(model, host_blocks=64)
+    prompt = tokens(33, seed=7)
+    keys = chain(prompt, engine.namespace)
+    first, _ = engine.generate(prompt, GREEDY)
+    flush_device(engine, seed=100)
+    assert tiers.lookup(keys).host == len(keys), "the prompt's blocks were demoted to host"
+    assert any(c.stored.get("host") for c in changes)
+    promoted = tiers.promote(keys)
+    assert promoted.stored["device"] == keys and promoted.removed["host"] == keys
+    again, stats = engine.generate(prompt, GREEDY)
+    assert stats.num_cached_tokens == len(keys) * BLOCK
+    assert again == first == cold_output(model, prompt)
+    tiers.pool.check_integrity()
+    tiers.host.check_integrity()
+
+
+def test_prefix_promoted_from_disk_equals_recompute(model, tmp_path):
+    engine, tiers, _ = make_engine(model, disk_dir=tmp_path)
+    prompt = tokens(33, seed=8)
+    keys = chain(prompt, engine.namespace)
+    first, _ = engine.generate(prompt, GREEDY)
+    flush_device(engine, seed=200)
+    tiers.disk.flush()
+    assert tiers.lookup(keys).disk == len(keys)
+    assert set(keys) <= set(tiers.collect().stored["disk"])
+    tiers.promote(keys)
+    again, stats = engine.generate(prompt, GREEDY)
+    assert stats.num_cached_tokens == len(keys) * BLOCK and again == first
+    tiers.disk.close()
+
+
+def test_truncated_disk_block_is_recomputed(model, tmp_path):
+    engine, tiers, _ = make_engine(model, disk_dir=tmp_path)
+    prompt = tokens(33, seed=9)
+    keys = chain(prompt, engine.namespace)
+    first, _ = engine.generate(prompt, GREEDY)
+    flush_device(engine, seed=300)
+    tiers.disk.flush()
+    path = tiers.disk.path(keys[3])
+    path.write_bytes(path.read_bytes()[:100])
+    promoted = tiers.promote(keys)
+    assert promoted.stored["device"] == keys[:3], "the run ends at the truncated block"
+    assert keys[3] in tiers.collect().removed["disk"]
+    again, stats = engine.generate(prompt, GREEDY)
+    assert stats.num_cached_tokens == 3 * BLOCK and again == first
+    tiers.disk.close()
+
+
+def test_residency_makes_admission_wait_then_proceed(model):
+    clock = Clock()
+    engine, tiers, _ = make_engine(model, num_blocks=12, min_residency_s=10.0, clock=clock)
+    engine.generate(tokens(40, seed=1), GREEDY)  # 11 blocks, all resident for 10 s
+    engine.submit(tokens(40, seed=2), GREEDY)
+    assert not engine.schedule().spans and engine.num_queued == 1, "waits: the free blocks are resident"
+    assert engine.take_refused() == []
+    clock.now = 11.0
+    while engine.has_work():
+        engine.step()
+    tiers.pool.check_integrity()
+
+
+def test_pins_holding_the_pool_refuse_with_a_clear_reason(model):
+    engine, tiers, _ = make_engine(model, num_blocks=12)
+    prompt = tokens(40, seed=3)
+    engine.generate(prompt, GREEDY)
+    engine.pool.pin(chain(prompt, engine.namespace), ttl_s=60)
+    request_id = engine.submit(tokens(40, seed=4), GREEDY)
+    assert not engine.schedule().spans and not engine.has_work()
+    [(refused_id, reason)] = engine.take_refused()
+    assert refused_id == request_id and "pinned" in reason
+    tiers.pool.check_integrity()
