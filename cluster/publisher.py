@@ -51,7 +51,7 @@ class Publisher:
         self._pending: dict[BlockKey, str | None] = {}
         self._mutex = threading.Lock()  # publish() may be called from a worker thread
         self._republish = False
-        self._writing = self._filling = False
+        self._writing = self._filling = self._rotating = False
         self._generation = self._batch_generation = 0  # +1 per fill: a batch taken before it is stale
         self._lease_seen = 0
         self._wake = asyncio.Event()
@@ -94,7 +94,7 @@ class Publisher:
 
     @property
     def busy(self) -> bool:
-        return bool(self._pending) or self._republish or self._writing or self._filling
+        return bool(self._pending) or self._republish or self._writing or self._filling or self._rotating
 
     async def flush(self, timeout_s: float = 30.0) -> int:
         """Wait until everything published so far is in etcd; the revision of the last write."""
@@ -145,7 +145,11 @@ class Publisher:
     async def _drain(self) -> None:
         while True:
             if self._republish:
-                await self.membership.rotate()  # calls _fill under the new lease
+                self._rotating = True  # busy until the old lease is revoked, not just until _fill ends
+                try:
+                    await self.membership.rotate()  # calls _fill under the new lease
+                finally:
+                    self._rotating = False
                 continue
             if self.membership.lease_id is None:
                 return  # not registered (yet, or any more): registering re-publishes everything
