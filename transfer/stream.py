@@ -55,7 +55,7 @@ async def send_all(sock: socket.socket, *buffers: bytes | memoryview) -> None:
 
 
 SCATTER_BUFFERS = 64  # buffers one receive syscall may fill (Linux allows 1024)
-WAKE_BYTES = 1 << 20  # a waiting receive wakes once this much (or all it still needs) has arrived
+WAKE_BYTES = 4 << 20  # a waiting receive wakes once this much (or all it still needs) has arrived: half of tcp.py's receive buffer
 
 
 async def _ready(sock: socket.socket, writing: bool) -> None:
