@@ -91,8 +91,11 @@ class Scatter:
     """Fills a lazily produced sequence of buffers in order, several per receive syscall.
 
     Reads never go past the last buffer, so the bytes after it (the next
-    message on a reused connection) stay in the socket. `close()` restores
-    the socket's wake-up threshold; call it before anything else reads.
+    message on a reused connection) stay in the socket. A waiting receive
+    wakes at WAKE_BYTES (or all it still needs), or when the peer closes:
+    bytes under that threshold from a peer that stalls wait in the kernel.
+    `close()` restores the socket's wake-up threshold; call it before
+    anything else reads.
     """
 
     def __init__(self, sock: socket.socket, buffers: Iterator[memoryview]) -> None:

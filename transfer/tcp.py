@@ -4,12 +4,15 @@
       connect (or reuse an idle socket) -->   accept
       [len|FetchRequest]                -->   check token, pin the prefix
                                         <--   [len|FetchResponse]
-      recv_into(block i's bytes)        <--   [RecordHeader|payload] x num_blocks
+      recvmsg_into(headers, blocks, ...) <--  sendmsg([RecordHeader, payload]) x num_blocks
       connection back to the idle pool        unpin, wait for the next request
 
 Raw non-blocking sockets driven by the event loop: payloads are sent from
-and received into the arena's own memory, no stream buffers in between. A
-connection goes back to the pool only after a complete answer; after a
+and received into the arena's own memory, no stream buffers in between. One
+receive syscall scatters many records (headers into small buffers, payloads
+straight into their blocks) and wakes only once megabytes have arrived, so
+the per-block cost is the checksum and the commit, not syscalls and wake-ups.
+A connection goes back to the pool only after a complete answer; after a
 rejection, a short allocation or any error it is closed, since bytes may
 still be in flight on it. Knows nothing of UCX.
 """
