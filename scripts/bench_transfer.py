@@ -220,6 +220,7 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=1024, help="bytes moved per row (timed)")
     parser.add_argument("--arena-mib", type=int, default=256, help="arena size on each side")
     parser.add_argument("--movers", default=",".join(MOVERS), help="comma-separated subset of the columns")
+    parser.add_argument("--blocks", default=",".join(BLOCK_SIZES), help="comma-separated subset of the rows")
     args = parser.parse_args()
     movers = [m for m in MOVERS if m in args.movers.split(",")]
     arena_bytes = args.arena_mib << 20
@@ -231,6 +232,8 @@ def main() -> None:
     print("| block | " + " | ".join(movers) + " | best ours / raw | best ours / Mooncake | verified |")
     print("|---" * (len(movers) + 4) + "|")
     for label, block_bytes in BLOCK_SIZES.items():
+        if label not in args.blocks.split(","):
+            continue
         rates, verified = {}, True
         for mover in movers:
             elapsed, ok = measure(mover, block_bytes, arena_bytes, passes)

@@ -26,6 +26,7 @@ from store.keys import BlockKey
 from store.pool import BlockPool
 from store.record import RecordError, RecordHeader, verify
 from transfer.errors import ProtocolError
+from transfer.host_bytes import host_blocks
 
 
 @dataclass(slots=True)
@@ -71,8 +72,8 @@ class BlockSink:
         self.committed: list[int] = []  # block ids in key order (pinned)
         self.rejected = False
         self._spares: list[int] = []  # allocated, then found a twin already committed
-        on_cpu = arena.device.type == "cpu"
-        self._staging = None if on_cpu else _Staging(arena.block_bytes, pin=arena.device.type == "cuda")
+        self._host_bytes = host_blocks(arena)
+        self._staging = None if self._host_bytes is not None else _Staging(arena.block_bytes, pin=arena.device.type == "cuda")
 
     def expect(self, num_blocks: int, block_bytes: int) -> int:
         """Allocate for the holder's answer; returns how many blocks to receive (may be fewer)."""
@@ -87,8 +88,8 @@ class BlockSink:
 
     def destination(self, index: int) -> memoryview:
         """Where payload `index` lands: the block itself, or a staging buffer to copy from."""
-        if self._staging is None:
-            return self.arena.writable_bytes(self.allocated[index])
+        if self._host_bytes is not None:
+            return self._host_bytes(self.allocated[index])
         return self._staging.buffer(index)
 
     def reject(self) -> None:

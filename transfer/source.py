@@ -21,6 +21,7 @@ from store.arena import KVArena
 from store.keys import BlockKey
 from store.pool import BlockPool
 from store.record import RecordHeader, header_for
+from transfer.host_bytes import host_blocks
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class BlockSource:
     def __init__(self, pool: BlockPool, arena: KVArena) -> None:
         self.pool = pool
         self.arena = arena
+        self._host_bytes = host_blocks(arena)
 
     @property
     def block_bytes(self) -> int:
@@ -63,6 +65,8 @@ class BlockSource:
 
     def payload(self, block_id: int) -> memoryview:
         """The block's bytes: zero-copy on CPU, one device-to-host copy on CUDA."""
+        if self._host_bytes is not None:
+            return self._host_bytes(block_id)
         return self.arena.read_bytes(block_id)
 
     async def records(self, outgoing: Outgoing) -> AsyncIterator[tuple[RecordHeader, memoryview]]:

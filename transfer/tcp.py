@@ -4,12 +4,15 @@
       connect (or reuse an idle socket) -->   accept
       [len|FetchRequest]                -->   check token, pin the prefix
                                         <--   [len|FetchResponse]
-      recv_into(block i's bytes)        <--   [RecordHeader|payload] x num_blocks
+      recvmsg_into(headers, blocks, ...) <--  sendmsg([RecordHeader, payload]) x num_blocks
       connection back to the idle pool        unpin, wait for the next request
 
 Raw non-blocking sockets driven by the event loop: payloads are sent from
-and received into the arena's own memory, no stream buffers in between. A
-connection goes back to the pool only after a complete answer; after a
+and received into the arena's own memory, no stream buffers in between. One
+receive syscall scatters many records (headers into small buffers, payloads
+straight into their blocks) and wakes only once megabytes have arrived, so
+the per-block cost is the checksum and the commit, not syscalls and wake-ups.
+A connection goes back to the pool only after a complete answer; after a
 rejection, a short allocation or any error it is closed, since bytes may
 still be in flight on it. Knows nothing of UCX.
 """
@@ -20,6 +23,7 @@ import asyncio
 import logging
 import socket
 from collections import defaultdict
+from typing import Iterator
 
 from transfer.address import PeerAddress
 from transfer.errors import PeerUnreachable, ProtocolError
@@ -36,7 +40,7 @@ from transfer.protocol import (
 )
 from transfer.sink import BlockSink
 from transfer.source import BlockSource
-from transfer.stream import recv_exactly, recv_message, send_all
+from transfer.stream import Scatter, recv_message, send_all, send_buffers
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +112,9 @@ class TcpServer:
             return False
         source = self.source
         async with source.pinned(request_keys(request)) as outgoing:
-            await send_all(sock, framed(FetchResponse(STATUS_OK, outgoing.num_blocks, source.block_bytes)))
+            await send_buffers(sock, [framed(FetchResponse(STATUS_OK, outgoing.num_blocks, source.block_bytes))])
             async for header, payload in source.records(outgoing):
-                await send_all(sock, header.pack(), payload)
+                await send_buffers(sock, [header.pack(), payload])  # a record leaves as soon as it exists
         return True
 
 
@@ -178,23 +182,40 @@ class TcpClient:
             sock.close()
 
 
+def _record_buffers(sink: BlockSink, num_blocks: int) -> Iterator[memoryview]:
+    """Where each record lands, in wire order: a fresh header buffer, then the block's destination."""
+    for index in range(num_blocks):
+        yield memoryview(bytearray(HEADER_BYTES))
+        yield sink.destination(index)
+
+
 async def _receive(sock: socket.socket, response: FetchResponse, sink: BlockSink) -> bool:
-    """Receive each block into its destination; True if the whole answer was consumed."""
+    """Receive each block into its destination; True if the whole answer was consumed.
+
+    Several records arrive per syscall, so a payload may land in its (allocated,
+    uncommitted) block before its header is checked; a bad header still rejects
+    that block and the rest, which are then freed without a key.
+    """
     num_blocks = sink.expect(response.num_blocks, response.block_bytes)
-    raw_header = bytearray(HEADER_BYTES)
+    scatter = Scatter(sock, _record_buffers(sink, num_blocks))
+    index, header = 0, None
     try:
-        for index in range(num_blocks):
-            await recv_exactly(sock, raw_header)
-            header = block_header(raw_header)
-            if not sink.check_header(index, header):
-                return False
-            await recv_exactly(sock, sink.destination(index))
-            if not sink.accept(index, header):
-                return False
+        while index < num_blocks:
+            for buffer in await scatter.receive():
+                if header is None:
+                    header = block_header(buffer)
+                    if not sink.check_header(index, header):
+                        return False
+                elif not sink.accept(index, header):
+                    return False
+                else:
+                    index, header = index + 1, None
     except ProtocolError:
         sink.reject()
         return False
     except ConnectionError as err:
         log.info("transfer peer closed mid-stream after %d blocks: %s", len(sink.committed), err)
         return False
+    finally:
+        scatter.close()
     return num_blocks == response.num_blocks
