@@ -8,6 +8,7 @@ Knows nothing of engines or etcd: it serves a Worker.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 
@@ -54,8 +55,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     try:
-        async for event in request.app[WORKER_KEY].generate(body):
-            await response.write(encode_event(event))
+        # aclosing: a router that goes away releases the request's blocks now, not at garbage collection
+        async with contextlib.aclosing(request.app[WORKER_KEY].generate(body)) as events:
+            async for event in events:
+                await response.write(encode_event(event))
     except (ConnectionResetError, ConnectionError):
         log.info("router went away from %s", body.request_id)
         raise

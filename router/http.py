@@ -7,6 +7,7 @@ policies or how workers are reached.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 
@@ -91,47 +92,49 @@ async def _serve(request: web.Request, router: Router, prepared: Prepared) -> we
     if prepared.stream:
         return await _serve_stream(request, router, prepared)
     detok = Detokenizer(router.tokenizer.decode)
-    async for event in router.generate(prepared):
-        if isinstance(event, Token):
-            detok.tokens.append(event.token)
-        elif isinstance(event, Done):
-            shape = fmt.chat if prepared.chat else fmt.completion
-            return web.json_response(shape(prepared.request_id, prepared.model, detok.text, event.finish_reason, event.usage))
-        elif isinstance(event, Failed):
-            raise router.failure(event)
+    async with contextlib.aclosing(router.generate(prepared)) as events:  # a client gone frees its worker slot now
+        async for event in events:
+            if isinstance(event, Token):
+                detok.tokens.append(event.token)
+            elif isinstance(event, Done):
+                shape = fmt.chat if prepared.chat else fmt.completion
+                return web.json_response(shape(prepared.request_id, prepared.model, detok.text, event.finish_reason,
+                                               event.usage))
+            elif isinstance(event, Failed):
+                raise router.failure(event)
     raise router.failure(Failed("the worker ended the stream without finishing", 502))
 
 
 async def _serve_stream(request: web.Request, router: Router, prepared: Prepared) -> web.StreamResponse:
-    events = router.generate(prepared)
-    first = await anext(events)  # routing errors still become a normal error response here
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    detok = Detokenizer(router.tokenizer.decode)
+    async with contextlib.aclosing(router.generate(prepared)) as events:
+        first = await anext(events)  # routing errors still become a normal error response here
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        detok = Detokenizer(router.tokenizer.decode)
 
-    async def send(payload: dict) -> None:
-        await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+        async def send(payload: dict) -> None:
+            await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
-    if prepared.chat:
-        await send(fmt.chat_chunk(prepared.request_id, prepared.model, None, None, first=True))
-    event = first
-    while True:
-        if isinstance(event, Token):
-            text = detok.push(event.token)
-            if text:
-                await send(_chunk(prepared, text, None))
-        elif isinstance(event, Done):
-            await send(_chunk(prepared, detok.flush(), event.finish_reason))
-            if prepared.include_usage:
-                await send(fmt.usage_chunk(prepared.request_id, prepared.model, prepared.chat, event.usage))
-            break
-        elif isinstance(event, Failed):
-            await send(fmt.error_chunk(event.message, event.status))
-            break
-        event = await anext(events, Failed("the worker ended the stream without finishing", 502))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+        if prepared.chat:
+            await send(fmt.chat_chunk(prepared.request_id, prepared.model, None, None, first=True))
+        event = first
+        while True:
+            if isinstance(event, Token):
+                text = detok.push(event.token)
+                if text:
+                    await send(_chunk(prepared, text, None))
+            elif isinstance(event, Done):
+                await send(_chunk(prepared, detok.flush(), event.finish_reason))
+                if prepared.include_usage:
+                    await send(fmt.usage_chunk(prepared.request_id, prepared.model, prepared.chat, event.usage))
+                break
+            elif isinstance(event, Failed):
+                await send(fmt.error_chunk(event.message, event.status))
+                break
+            event = await anext(events, Failed("the worker ended the stream without finishing", 502))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
 
 def _chunk(prepared: Prepared, text: str, finish_reason: str | None) -> dict:

@@ -11,6 +11,7 @@ plain index in tests and the simulator) and the worker client are given to it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -201,15 +202,17 @@ class Router:
             ticket = self.inflight.begin(plan.worker, plan.prefill_tokens)
             streamed = False
             try:
-                async for event in self.client.generate(worker.http_url, self._worker_request(prepared, plan)):
-                    if isinstance(event, Token) and not streamed:
-                        streamed = True
-                        self.inflight.started(ticket)
-                        self.metrics.ttft.observe(time.perf_counter() - start)
-                    if isinstance(event, Done):
-                        u = event.usage
-                        self.metrics.observe_usage(u.prompt_tokens, u.cached_tokens, u.fetched_tokens, u.fetched_bytes)
-                    yield event
+                stream = self.client.generate(worker.http_url, self._worker_request(prepared, plan))
+                async with contextlib.aclosing(stream):  # a client gone closes the worker's stream now
+                    async for event in stream:
+                        if isinstance(event, Token) and not streamed:
+                            streamed = True
+                            self.inflight.started(ticket)
+                            self.metrics.ttft.observe(time.perf_counter() - start)
+                        if isinstance(event, Done):
+                            u = event.usage
+                            self.metrics.observe_usage(u.prompt_tokens, u.cached_tokens, u.fetched_tokens, u.fetched_bytes)
+                        yield event
                 return
             except WorkerUnreachable as err:
                 log.warning("worker %s failed: %s", plan.worker, err)

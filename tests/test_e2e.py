@@ -190,3 +190,24 @@ def test_live_trace_replay_reuses_the_traces_prefixes(cluster):
     assert sum(r.cached_tokens for r in results) > 0  # every conversation request starts with block id 0
     assert all(r.ttft_s > 0 for r in results)
     assert "| 12 | 0 |" in summary_table(results)
+
+
+def test_client_gone_mid_stream_frees_the_worker(cluster):
+    body = {"model": "tiny", "prompt": SHARED + "walk away", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    request = urllib.request.Request(f"{cluster.router_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    reply = urllib.request.urlopen(request, timeout=60)
+    assert reply.readline().startswith(b"data: ")
+    reply.close()  # the client goes away mid-stream
+
+    def idle() -> bool:
+        reports = []
+        for child in cluster.workers.values():
+            with urllib.request.urlopen(f"{child.url}/debug/pool", timeout=10) as pool:
+                reports.append(json.load(pool))
+        return all(r["integrity"] == "ok" and r["num_streams"] == 0 and r["num_pinned"] == 0 for r in reports)
+
+    deadline = time.monotonic() + 20
+    while not idle():
+        assert time.monotonic() < deadline, "a request whose client left still holds a worker's blocks"
+        time.sleep(0.2)
