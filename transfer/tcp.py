@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections import defaultdict
 from typing import Iterator
 
 from transfer.address import PeerAddress
+from transfer.connections import IdleConnections
 from transfer.errors import PeerUnreachable, ProtocolError
 from transfer.protocol import (
     HEADER_BYTES,
@@ -122,17 +122,14 @@ class TcpClient:
     """Fetches over TCP, keeping up to `max_idle` idle connections per peer."""
 
     def __init__(self, max_idle: int = 4) -> None:
-        self.max_idle = max_idle
-        self._idle: dict[tuple[str, int], list[socket.socket]] = defaultdict(list)
+        self._conns: IdleConnections[socket.socket] = IdleConnections(self._connect, socket.socket.close,
+                                                                       (ConnectionError,), max_idle)
 
     async def close(self) -> None:
-        for socks in self._idle.values():
-            for sock in socks:
-                sock.close()
-        self._idle.clear()
+        self._conns.close()
 
     def num_idle(self, address: PeerAddress) -> int:
-        return len(self._idle.get((address.host, address.port), ()))
+        return self._conns.num_idle(address)
 
     async def _connect(self, address: PeerAddress) -> socket.socket:
         loop = asyncio.get_running_loop()
@@ -149,37 +146,20 @@ class TcpClient:
             raise PeerUnreachable(f"cannot connect to {address.url}: {err}") from err
         return sock
 
-    async def _ask(self, address: PeerAddress, request: FetchRequest) -> tuple[socket.socket, FetchResponse]:
-        """Send the request and read the answer, retrying once if a reused socket was stale."""
-        idle = self._idle[(address.host, address.port)]
-        while True:
-            reused = bool(idle)
-            sock = idle.pop() if reused else await self._connect(address)
-            try:
-                await send_all(sock, framed(request))
-                body = await recv_message(sock)
-                return sock, decode_response(body)
-            except ConnectionError as err:
-                sock.close()
-                if not reused:
-                    raise PeerUnreachable(f"{address.url} closed before answering: {err}") from err
-            except BaseException:
-                sock.close()
-                raise
-
     async def fetch(self, address: PeerAddress, request: FetchRequest, sink: BlockSink) -> None:
         """Fill `sink` with what the peer sends; a peer dying mid-stream just ends it early."""
-        sock, response = await self._ask(address, request)
+
+        async def exchange(sock: socket.socket) -> FetchResponse:
+            await send_all(sock, framed(request))
+            return decode_response(await recv_message(sock))
+
+        sock, response = await self._conns.ask(address, exchange)
         try:
             complete = await _receive(sock, response, sink)
         except BaseException:
             sock.close()
             raise
-        idle = self._idle[(address.host, address.port)]
-        if complete and len(idle) < self.max_idle:
-            idle.append(sock)
-        else:
-            sock.close()
+        self._conns.give_back(address, sock, complete)
 
 
 def _record_buffers(sink: BlockSink, num_blocks: int) -> Iterator[memoryview]:

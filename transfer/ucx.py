@@ -24,14 +24,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import defaultdict, deque
+from collections import deque
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import ucxx  # noqa: E402
 from ucxx.exceptions import UCXError  # noqa: E402
 
-from transfer.address import PeerAddress  # noqa: E402
+from transfer.address import PeerAddress
+from transfer.connections import IdleConnections  # noqa: E402
 from transfer.errors import PeerUnreachable, ProtocolError  # noqa: E402
 from transfer.protocol import (  # noqa: E402
     HEADER_BYTES,
@@ -127,17 +128,13 @@ class UcxClient:
     """Fetches over UCX, keeping up to `max_idle` idle endpoints per peer."""
 
     def __init__(self, max_idle: int = 4) -> None:
-        self.max_idle = max_idle
-        self._idle: dict[tuple[str, int], list] = defaultdict(list)
+        self._conns: IdleConnections = IdleConnections(self._connect, _abort, _ENDPOINT_ERRORS, max_idle)
 
     async def close(self) -> None:
-        for endpoints in self._idle.values():
-            for endpoint in endpoints:
-                endpoint.abort()
-        self._idle.clear()
+        self._conns.close()
 
     def num_idle(self, address: PeerAddress) -> int:
-        return len(self._idle.get((address.host, address.port), ()))
+        return self._conns.num_idle(address)
 
     async def _connect(self, address: PeerAddress):
         try:
@@ -145,35 +142,26 @@ class UcxClient:
         except _ENDPOINT_ERRORS as err:
             raise PeerUnreachable(f"cannot connect to {address.url}: {err}") from err
 
-    async def _ask(self, address: PeerAddress, request: FetchRequest) -> tuple[object, FetchResponse]:
-        """Send the request and read the answer, retrying once if a reused endpoint was stale."""
-        idle = self._idle[(address.host, address.port)]
-        while True:
-            reused = bool(idle)
-            endpoint = idle.pop() if reused else await self._connect(address)
-            try:
-                await endpoint.send_obj(encode(request))
-                return endpoint, decode_response(await endpoint.recv_obj())
-            except _ENDPOINT_ERRORS as err:
-                endpoint.abort()
-                if not reused:
-                    raise PeerUnreachable(f"{address.url} failed before answering: {err}") from err
-            except BaseException:
-                endpoint.abort()
-                raise
-
     async def fetch(self, address: PeerAddress, request: FetchRequest, sink: BlockSink) -> None:
         """Fill `sink` with what the peer sends; a peer dying mid-stream just ends it early."""
-        endpoint, response = await self._ask(address, request)
+
+        async def exchange(endpoint) -> FetchResponse:
+            await endpoint.send_obj(encode(request))
+            return decode_response(await endpoint.recv_obj())
+
+        endpoint, response = await self._conns.ask(address, exchange)
         receiving = _Receiving(endpoint, sink, window_for(sink.arena.block_bytes))
         try:
             await receiving.run(response)
         finally:
-            idle = self._idle[(address.host, address.port)]
-            if receiving.complete and len(idle) < self.max_idle:
-                idle.append(endpoint)
+            if receiving.complete:
+                self._conns.give_back(address, endpoint, True)
             else:
-                await receiving.abort()
+                await receiving.abort()  # waits out every posted receive before its block is freed
+
+
+def _abort(endpoint) -> None:
+    endpoint.abort()
 
 
 class _Receiving:
