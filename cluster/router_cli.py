@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import signal
 import socket
@@ -89,4 +88,4 @@ async def _follow_prefill_speed(router: Router, mirror: Mirror, period_s: float 
         await asyncio.sleep(period_s)
         speeds = [n.prefill_tokens_per_s for n in mirror.nodes.values() if n.prefill_tokens_per_s > 0]
         if speeds:
-            router.costs = dataclasses.replace(router.costs, prefill_tokens_per_s=sum(speeds) / len(speeds))
+            router.costs = router.costs.with_prefill_speed(sum(speeds) / len(speeds))

@@ -46,9 +46,6 @@ class BlockIndex:
         self.remove(node_id, list(self.keys_of.get(node_id, ())))
         self.keys_of.pop(node_id, None)
 
-    def nodes(self) -> list[str]:
-        return list(self.keys_of)
-
     def tier_of(self, node_id: str, key: BlockKey) -> str | None:
         return self.holders.get(key, {}).get(node_id)
 

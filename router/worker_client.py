@@ -11,7 +11,7 @@ from typing import AsyncIterator
 import aiohttp
 import msgspec
 
-from router.worker_api import AUTH_HEADER, Event, GenerateRequest, PinReply, PinRequest, WorkerLoad, decode_event, encode
+from router.worker_api import AUTH_HEADER, Event, GenerateRequest, PinReply, PinRequest, decode_event, encode
 
 class WorkerUnreachable(Exception):
     """The worker could not be reached or its stream broke off."""
@@ -52,12 +52,5 @@ class WorkerClient:
                 if response.status != 200:
                     raise WorkerUnreachable(f"worker answered {response.status}: {(await response.text())[:200]}")
                 return msgspec.json.decode(await response.read(), type=PinReply)
-        except (aiohttp.ClientError, ConnectionError, TimeoutError) as err:
-            raise WorkerUnreachable(f"{worker_url}: {err!r}") from err
-
-    async def load(self, worker_url: str) -> WorkerLoad:
-        try:
-            async with self._client().get(f"{worker_url}/load") as response:
-                return msgspec.json.decode(await response.read(), type=WorkerLoad)
         except (aiohttp.ClientError, ConnectionError, TimeoutError) as err:
             raise WorkerUnreachable(f"{worker_url}: {err!r}") from err
