@@ -4,19 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.common_settings import CommonSettings
 from cluster.settings import setting
 
 
 @dataclass(frozen=True)
-class RouterSettings:
+class RouterSettings(CommonSettings):
     host: str = setting("127.0.0.1", "address to bind")
     port: int = setting(8000, "port to bind (0 picks a free one)")
-    etcd_endpoints: str = setting("127.0.0.1:2379", "comma-separated etcd client endpoints host:port")
-    cluster: str = setting("default", "cluster namespace under /prefixpool/ in etcd")
-    model: str = setting("tiny", "served model name (a preset or the checkpoint's name); must match the workers")
-    model_path: str = setting("", "checkpoint directory (config.json, tokenizer.json); empty uses the preset")
-    dtype: str = setting("float32", "KV dtype of the workers (enters the block-key namespace)")
-    block_size: int = setting(16, "tokens per KV block; must match the workers")
     policy: str = setting("cost", "routing policy: cost, cost_local, least_load, longest_prefix, round_robin, random")
     api_key: str = setting("", "if set, clients must send 'Authorization: Bearer <key>'")
     worker_token: str = setting("", "shared token sent to workers' internal API")

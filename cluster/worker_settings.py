@@ -4,27 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.common_settings import CommonSettings
 from cluster.settings import setting
 
 
 @dataclass(frozen=True)
-class WorkerSettings:
+class WorkerSettings(CommonSettings):
     node_id: str = setting("", "unique node name in the cluster (default: host-pid)")
     host: str = setting("127.0.0.1", "address the internal HTTP API binds")
     port: int = setting(0, "internal HTTP port (0 picks a free one)")
     advertise_host: str = setting("", "address peers and the router use to reach this worker (default: host)")
     transfer: str = setting("tcp", "block transfer transport: tcp or ucx")
     transfer_port: int = setting(0, "transfer server port (0 picks a free one)")
-    etcd_endpoints: str = setting("127.0.0.1:2379", "comma-separated etcd client endpoints host:port")
-    cluster: str = setting("default", "cluster namespace under /prefixpool/ in etcd")
     lease_ttl_s: int = setting(10, "etcd lease TTL; the node's blocks vanish this long after it dies")
-    model: str = setting("tiny", "model preset name, or the served name of --model-path")
-    model_path: str = setting("", "checkpoint directory with config.json and *.safetensors")
-    dtype: str = setting("float32", "model and KV dtype: float32 or bfloat16")
     device: str = setting("auto", "torch device: auto (CUDA when present), cpu, cuda, cuda:N")
     seed: int = setting(0, "seed of a preset's random weights (identical on every worker)")
     num_blocks: int = setting(1024, "KV blocks in the device pool")
-    block_size: int = setting(16, "tokens per KV block")
     max_batch_size: int = setting(8, "requests decoded together")
     chunk_size: int = setting(512, "prefill chunk, in tokens")
     fetch_timeout_s: float = setting(5.0, "deadline of one block fetch from a peer")

@@ -89,3 +89,10 @@ def test_every_flag_and_variable_is_one_the_cli_accepts(overlay):
             parser.parse_args(args)  # exits (SystemExit) on an unknown flag
         checked += 1
     assert checked >= 1
+
+
+def test_the_common_config_map_is_exactly_the_shared_settings():
+    from cluster.common_settings import CommonSettings
+
+    common = next(d for d in render("base") if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "prefixpool-common")
+    assert set(common["data"]) == env_names(CommonSettings)
