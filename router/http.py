@@ -19,7 +19,7 @@ from router.detokenizer import Detokenizer
 from router.errors import APIError, InternalError, InvalidRequest, RouteNotFound
 from router.openai_schema import ChatBody, CompletionBody, RouteBody, decode
 from router.service import Prepared, Router
-from router.worker_api import Done, Failed, Token
+from router.contract.worker_api import Done, Failed, Token
 
 log = logging.getLogger(__name__)
 ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router", Router)
@@ -91,7 +91,7 @@ async def unpin(request: web.Request) -> web.Response:
 async def _serve(request: web.Request, router: Router, prepared: Prepared) -> web.StreamResponse:
     if prepared.stream:
         return await _serve_stream(request, router, prepared)
-    detok = Detokenizer(router.tokenizer.decode)
+    detok = Detokenizer(router.contract.tokenizer.decode)
     async with contextlib.aclosing(router.generate(prepared)) as events:  # a client gone frees its worker slot now
         async for event in events:
             if isinstance(event, Token):
@@ -110,7 +110,7 @@ async def _serve_stream(request: web.Request, router: Router, prepared: Prepared
         first = await anext(events)  # routing errors still become a normal error response here
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        detok = Detokenizer(router.tokenizer.decode)
+        detok = Detokenizer(router.contract.tokenizer.decode)
 
         async def send(payload: dict) -> None:
             await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")

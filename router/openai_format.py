@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from router.worker_api import Usage
+from router.contract.worker_api import Usage
 
 
 def usage_dict(usage: Usage) -> dict:

@@ -26,7 +26,7 @@ from router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_
 from router.cost_model import CostModel
 from router.index import DEVICE
 from router.policy import NodeLoad, Plan, RouteRequest, policies
-from router.worker_api import Done, Failed, FetchPlan, GenerateRequest, Token
+from router.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, Token
 from router.worker_client import WorkerClient, WorkerUnreachable
 from store.keys import BlockKey, Namespace, chain
 

@@ -11,7 +11,7 @@ from typing import AsyncIterator
 import aiohttp
 import msgspec
 
-from router.worker_api import AUTH_HEADER, Event, GenerateRequest, PinReply, PinRequest, decode_event, encode
+from router.contract.worker_api import AUTH_HEADER, Event, GenerateRequest, PinReply, PinRequest, decode_event, encode
 
 class WorkerUnreachable(Exception):
     """The worker could not be reached or its stream broke off."""

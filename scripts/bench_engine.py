@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.checkpoint import random_model  # noqa: E402
-from cluster.engine import Engine  # noqa: E402
-from cluster.model_config import arena_shape_for, namespace_for, preset  # noqa: E402
-from cluster.sampling import SamplingParams  # noqa: E402
+from cluster.engine.checkpoint import random_model  # noqa: E402
+from cluster.engine.scheduler import Engine  # noqa: E402
+from cluster.engine.model_config import arena_shape_for, namespace_for, preset  # noqa: E402
+from cluster.engine.sampling import SamplingParams  # noqa: E402
 from store.arena import KVArena  # noqa: E402
 from store.pool import BlockPool  # noqa: E402
 

@@ -22,11 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.etcd_client import EtcdClient  # noqa: E402
-from cluster.etcd_layout import Layout  # noqa: E402
-from cluster.etcd_server import EtcdServer  # noqa: E402
-from cluster.membership import Membership, MembershipConfig, NodeRecord  # noqa: E402
-from cluster.publisher import Publisher, PublisherConfig  # noqa: E402
+from cluster.meta.etcd_client import EtcdClient  # noqa: E402
+from cluster.meta.layout import Layout  # noqa: E402
+from cluster.deploy.etcd_server import EtcdServer  # noqa: E402
+from cluster.meta.membership import Membership, MembershipConfig, NodeRecord  # noqa: E402
+from cluster.meta.publisher import Publisher, PublisherConfig  # noqa: E402
 from store.keys import Namespace, chain_ids  # noqa: E402
 
 TRACE_KEYS_PER_S = 1_700  # Mooncake conversation trace at 1x: 52 new 512-token blocks/s x 32 16-token blocks
@@ -34,9 +34,9 @@ TRACE_KEYS_PER_S = 1_700  # Mooncake conversation trace at 1x: 52 new 512-token 
 MIRROR_PROCESS = """
 import asyncio, json, sys, time
 sys.path.insert(0, sys.argv[3])
-from cluster.etcd_client import EtcdClient
-from cluster.etcd_layout import Layout
-from cluster.mirror import Mirror
+from cluster.meta.etcd_client import EtcdClient
+from cluster.meta.layout import Layout
+from cluster.meta.mirror import Mirror
 async def main(endpoint, ns, expected):
     mirror = Mirror(EtcdClient(endpoint), Layout(ns))
     seen = {}

@@ -20,13 +20,13 @@ import urllib.request
 
 import numpy as np
 
-from cluster.launcher import LocalCluster
-from cluster.membership import NodeRecord
+from cluster.deploy.launcher import LocalCluster
+from cluster.meta.membership import NodeRecord
 from router.cost_model import CostModel
 from router.index import BlockIndex
 from router.openai_schema import CompletionBody
 from router.service import Router, RouterConfig
-from router.tokenizer import load_tokenizer
+from router.contract.tokenizer import load_tokenizer
 from router.worker_client import WorkerClient
 from store.keys import Namespace, chain
 

@@ -5,7 +5,7 @@
 
 Both Mooncake traces; every row routes with router.policy over a real
 BlockIndex that records tiers, each node a real BlockPool with modelled host
-and SSD LRUs under it (cluster/sim_node.py). A host or SSD hit is read up at
+and SSD LRUs under it (cluster/replay/sim_node.py). A host or SSD hit is read up at
 the cost model's host / SSD bandwidth before prefill, on the serving node.
 Prints one markdown table per trace, with the ratio to device-only.
 """
@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from cluster.replay_sim import SimConfig, hit_rate_bound, simulate
-from cluster.trace import TRACE_BLOCK_TOKENS, load_trace
+from cluster.replay.simulator import SimConfig, hit_rate_bound, simulate
+from cluster.replay.trace import TRACE_BLOCK_TOKENS, load_trace
 from router.cost_model import PROFILES, profile
 
 

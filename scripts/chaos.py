@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.launcher import LocalCluster  # noqa: E402
+from cluster.deploy.launcher import LocalCluster  # noqa: E402
 from scripts.chaos_client import ApiClient, Oracle, Tally, steady_load, workload  # noqa: E402
 from scripts.chaos_faults import (  # noqa: E402
     cluster_for, pids_alive, pinned_flood, pool_reports, quiet_pools, restart_corrupting, restart_etcd,

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import aiohttp
 
-from cluster.launcher import LocalCluster
-from cluster.model_source import tokenizer_for
-from router.worker_api import AUTH_HEADER
+from cluster.deploy.launcher import LocalCluster
+from cluster.engine.model_source import tokenizer_for
+from router.contract.worker_api import AUTH_HEADER
 from scripts.chaos_client import ApiClient, Outcome, steady_load
 
 LEASE_TTL_S = 3

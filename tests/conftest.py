@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from cluster.etcd_server import EtcdServer, find_binary
+from cluster.deploy.etcd_server import EtcdServer, find_binary
 
 
 @pytest.fixture(scope="session")
@@ -51,10 +51,10 @@ class LocalNode:
     """A node's metadata side in this process: membership + publisher over a set of keys it 'holds'."""
 
     def __init__(self, endpoint: str, ns: str, node_id: str, ttl_s: int = 10, max_pending: int = 65_536) -> None:
-        from cluster.etcd_client import EtcdClient
-        from cluster.etcd_layout import Layout
-        from cluster.membership import Membership, MembershipConfig, NodeRecord
-        from cluster.publisher import Publisher, PublisherConfig
+        from cluster.meta.etcd_client import EtcdClient
+        from cluster.meta.layout import Layout
+        from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
+        from cluster.meta.publisher import Publisher, PublisherConfig
 
         self.held: dict[bytes, str] = {}
         self.client = EtcdClient(endpoint, timeout_s=2.0)

@@ -2,8 +2,8 @@
 
 import random
 
-from cluster.engine import Engine
-from cluster.model_config import arena_shape_for, namespace_for
+from cluster.engine.scheduler import Engine
+from cluster.engine.model_config import arena_shape_for, namespace_for
 from store.arena import KVArena
 from store.pool import BlockPool
 

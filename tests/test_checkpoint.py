@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cluster.checkpoint import CheckpointError, load_checkpoint, random_model, read_config, write_checkpoint
-from cluster.engine import Engine
-from cluster.model_config import (ConfigError, ModelConfig, arena_shape_for, namespace_for, preset)
+from cluster.engine.checkpoint import CheckpointError, load_checkpoint, random_model, read_config, write_checkpoint
+from cluster.engine.scheduler import Engine
+from cluster.engine.model_config import (ConfigError, ModelConfig, arena_shape_for, namespace_for, preset)
 from store.arena import KVArena
 from store.pool import BlockPool
 

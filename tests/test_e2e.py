@@ -11,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 
-from cluster.launcher import LocalCluster
+from cluster.deploy.launcher import LocalCluster
 
 WORKER_ARGS = ("--lease-ttl-s", "3", "--num-blocks", "512", "--max-batch-size", "8")
 SHARED = "You are a careful assistant. Answer in one short sentence, using plain words only. " * 2
@@ -180,8 +180,8 @@ def test_metrics_report_requests_hits_and_the_index(cluster, client):
 
 
 def test_live_trace_replay_reuses_the_traces_prefixes(cluster):
-    from cluster.replay_live import LiveConfig, replay_live, summary_table
-    from cluster.trace import load_trace
+    from cluster.replay.live import LiveConfig, replay_live, summary_table
+    from cluster.replay.trace import load_trace
 
     records = load_trace("conversation", limit=12)
     config = LiveConfig(cluster.router_url, block_tokens=32, speedup=1000.0, concurrency=1, max_output=2, vocab_size=250)

@@ -5,9 +5,9 @@ the pool after another request, or copied as raw bytes into a second pool and ar
 import pytest
 import torch
 
-from cluster.checkpoint import random_model
-from cluster.model_config import preset
-from cluster.sampling import SamplingParams
+from cluster.engine.checkpoint import random_model
+from cluster.engine.model_config import preset
+from cluster.engine.sampling import SamplingParams
 from store.keys import chain
 from tests.engine_support import BLOCK, assert_clean, make_engine, tokens
 

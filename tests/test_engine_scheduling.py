@@ -5,10 +5,10 @@ aborts, the split step, pool events, keys given from outside, sampling and stops
 import pytest
 import torch
 
-from cluster.checkpoint import random_model
-from cluster.engine import Engine, RequestTooLarge
-from cluster.model_config import arena_shape_for, namespace_for, preset
-from cluster.sampling import SamplingParams
+from cluster.engine.checkpoint import random_model
+from cluster.engine.scheduler import Engine, RequestTooLarge
+from cluster.engine.model_config import arena_shape_for, namespace_for, preset
+from cluster.engine.sampling import SamplingParams
 from store.arena import KVArena
 from store.keys import chain, chain_ids
 from store.pool import BlockPool

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from cluster.etcd_client import MAX_TXN_OPS, EtcdClient, EtcdUnavailable, LeaseNotFound, RevisionCompacted
-from cluster.etcd_server import free_port
+from cluster.meta.etcd_client import MAX_TXN_OPS, EtcdClient, EtcdUnavailable, LeaseNotFound, RevisionCompacted
+from cluster.deploy.etcd_server import free_port
 from tests.conftest import etcdctl_get_prefix
 
 

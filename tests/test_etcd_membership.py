@@ -7,9 +7,9 @@ import subprocess
 import sys
 import time
 
-from cluster.etcd_layout import Layout
-from cluster.etcd_server import free_port
-from cluster.membership import decode_record
+from cluster.meta.layout import Layout
+from cluster.deploy.etcd_server import free_port
+from cluster.meta.membership import decode_record
 from tests.conftest import LocalNode, etcdctl_get_prefix
 from tests.test_etcd_mirror import CHAINS, check_against_oracle, settle, start_mirror, stop_mirror
 

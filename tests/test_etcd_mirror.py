@@ -5,9 +5,9 @@ import asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.etcd_client import EtcdClient
-from cluster.etcd_layout import Layout
-from cluster.mirror import Mirror, MirrorConfig
+from cluster.meta.etcd_client import EtcdClient
+from cluster.meta.layout import Layout
+from cluster.meta.mirror import Mirror, MirrorConfig
 from store.keys import Namespace, chain_ids
 from tests.conftest import LocalNode, etcdctl, etcdctl_get_prefix
 

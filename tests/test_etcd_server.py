@@ -19,7 +19,7 @@ def test_restart_keeps_or_wipes_data(own_etcd):
 
 
 def test_cli_subcommand_serves_until_sigterm_and_cleans_up():
-    process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "etcd"], stdout=subprocess.PIPE, text=True,
+    process = subprocess.Popen([sys.executable, "-m", "cluster.deploy.cli", "etcd"], stdout=subprocess.PIPE, text=True,
                                cwd=Path(__file__).resolve().parent.parent, start_new_session=True)  # fmt: skip
     try:
         line = process.stdout.readline()  # "etcd http://127.0.0.1:PORT (pid N, data DIR)"

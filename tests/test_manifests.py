@@ -9,10 +9,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cluster.cli import build_parser
-from cluster.router_settings import RouterSettings
-from cluster.settings import env_name
-from cluster.worker_settings import WorkerSettings
+from cluster.deploy.cli import build_parser
+from cluster.deploy.router_settings import RouterSettings
+from cluster.deploy.settings import env_name
+from cluster.deploy.worker_settings import WorkerSettings
 
 MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
 OVERLAYS = ["base", "overlays/cpu", "overlays/kuberay"]
@@ -92,7 +92,7 @@ def test_every_flag_and_variable_is_one_the_cli_accepts(overlay):
 
 
 def test_the_common_config_map_is_exactly_the_shared_settings():
-    from cluster.common_settings import CommonSettings
+    from cluster.deploy.common_settings import CommonSettings
 
     common = next(d for d in render("base") if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "prefixpool-common")
     assert set(common["data"]) == env_names(CommonSettings)

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 import ray
 
-from cluster import ray_deploy
+from cluster.deploy import ray_deploy
 
 PROMPT = "Ray deployment check. " * 20
 

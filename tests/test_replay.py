@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from cluster.cli import main
-from cluster.replay_sim import SimConfig, hit_rate_bound, simulate
-from cluster.trace import TRACES_DIR, load_trace, tokens_of
+from cluster.deploy.cli import main
+from cluster.replay.simulator import SimConfig, hit_rate_bound, simulate
+from cluster.replay.trace import TRACES_DIR, load_trace, tokens_of
 from router.cost_model import profile
 
 COSTS = profile("llama-3-70b-a800", 512)

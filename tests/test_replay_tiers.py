@@ -2,9 +2,9 @@
 
 import pytest
 
-from cluster.replay_sim import SimConfig, simulate
-from cluster.sim_node import SimNode
-from cluster.trace import load_trace
+from cluster.replay.simulator import SimConfig, simulate
+from cluster.replay.sim_node import SimNode
+from cluster.replay.trace import load_trace
 from router.cost_model import profile
 from store.keys import BlockKey
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.model_config import arena_shape_for
-from cluster.model_source import cache_namespace, model_config, tokenizer_for
-from router.worker_api import AUTH_HEADER
+from cluster.engine.model_config import arena_shape_for
+from cluster.engine.model_source import cache_namespace, model_config, tokenizer_for
+from router.contract.worker_api import AUTH_HEADER
 from scripts.chaos_faults import cluster_for, wait_ready
 from scripts.chaos_client import ApiClient
 from store.arena import KVArena

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from cluster.checkpoint import random_model
-from cluster.engine import Engine
-from cluster.model_config import arena_shape_for, namespace_for, preset
-from cluster.sampling import SamplingParams
+from cluster.engine.checkpoint import random_model
+from cluster.engine.scheduler import Engine
+from cluster.engine.model_config import arena_shape_for, namespace_for, preset
+from cluster.engine.sampling import SamplingParams
 from store.arena import KVArena
 from store.disk_tier import DiskTier
 from store.host_tier import HostTier

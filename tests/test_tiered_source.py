@@ -6,8 +6,8 @@ import asyncio
 
 import torch
 
-from cluster.node_tiers import NodeTiers, by_tier
-from cluster.tiered_source import TieredSource
+from cluster.node.tiers import NodeTiers, by_tier
+from cluster.node.tiered_source import TieredSource
 from store.arena import ArenaShape, KVArena
 from store.disk_tier import DiskTier
 from store.host_tier import HostTier

@@ -12,10 +12,10 @@ import urllib.request
 
 import pytest
 
-from cluster.launcher import LocalCluster
-from cluster.model_config import preset
-from cluster.processes import python_argv
-from cluster.model_source import cache_namespace
+from cluster.deploy.launcher import LocalCluster
+from cluster.engine.model_config import preset
+from cluster.deploy.processes import python_argv
+from cluster.engine.model_source import cache_namespace
 from store.keys import chain
 
 BLOCK = 16

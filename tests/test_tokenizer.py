@@ -5,7 +5,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
-from router.tokenizer import BYTE_EOS, ByteTokenizer, FileTokenizer, TokenizerError, load_tokenizer
+from router.contract.tokenizer import BYTE_EOS, ByteTokenizer, FileTokenizer, TokenizerError, load_tokenizer
 
 
 def test_bytes_round_trip_and_specials_decode_to_nothing():

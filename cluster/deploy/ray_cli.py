@@ -1,0 +1,35 @@
+"""`prefixpool ray up|down`: deploy on (or remove from) an existing Ray cluster.
+
+Every PREFIXPOOL_* variable of this shell is passed to the actors' processes,
+so worker and router settings are given the same way as everywhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["up", "down"])
+    parser.add_argument("--address", default="auto", help="Ray cluster: auto, HOST:PORT or ray://HOST:10001")
+    parser.add_argument("--workers", type=int, default=2, help="worker actors (one GPU each where GPUs exist)")
+    parser.add_argument("--etcd-endpoints", default="", help="existing etcd; empty starts one as an actor on the head node")
+    parser.add_argument("--router-host", default="127.0.0.1", help="address the router actor binds (0.0.0.0 in Kubernetes)")
+    parser.add_argument("--router-port", type=int, default=8000)
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.deploy import ray_deploy
+
+    ray.init(address=args.address, namespace=ray_deploy.NAMESPACE, log_to_driver=False)
+    if args.action == "down":
+        print("removed:", ", ".join(ray_deploy.down()) or "nothing")
+        return 0
+    env = {k: v for k, v in os.environ.items() if k.startswith("PREFIXPOOL_")}
+    deployment = ray_deploy.up(args.workers, etcd_endpoints=args.etcd_endpoints, router_port=args.router_port,
+                               router_host=args.router_host, env=env)
+    print(f"router: {deployment.router_url}\netcd: {deployment.etcd_endpoints}\nworkers: {', '.join(deployment.worker_names)}")
+    return 0

@@ -1,0 +1,23 @@
+"""The router process's settings (flags `--x-y`, environment `PREFIXPOOL_X_Y`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.deploy.common_settings import CommonSettings
+from cluster.deploy.settings import setting
+
+
+@dataclass(frozen=True)
+class RouterSettings(CommonSettings):
+    host: str = setting("127.0.0.1", "address to bind")
+    port: int = setting(8000, "port to bind (0 picks a free one)")
+    policy: str = setting("cost", "routing policy: cost, cost_local, least_load, longest_prefix, round_robin, random")
+    api_key: str = setting("", "if set, clients must send 'Authorization: Bearer <key>'")
+    worker_token: str = setting("", "shared token sent to workers' internal API")
+    max_retries: int = setting(2, "retries on another worker when one fails before streaming")
+    request_timeout_s: float = setting(300.0, "longest a worker may stay silent mid-stream")
+    default_max_tokens: int = setting(64, "max_tokens when a request gives none")
+    prefill_tokens_per_s: float = setting(2000.0, "prefill speed assumed until workers report a measured one")
+    decode_step_s: float = setting(0.01, "TTFT the cost model adds per request already running on a worker")
+    link_bytes_per_s: float = setting(1e9, "bandwidth between workers assumed by the cost model")

@@ -1,0 +1,162 @@
+"""`prefixpool worker`: build one worker from its settings and serve until SIGTERM.
+
+    model + pool + arena -> Engine -> Worker
+    tiers: host / SSD under the pool only when their size is > 0 (else DeviceOnly)
+    transfer server (serves any tier)       etcd: Membership (lease) + Publisher
+    SSD tier dir from an earlier run: scanned and re-published once registered
+    HTTP API (worker_http)                  READY <http url> once all of it is up
+
+Stopping (SIGTERM or SIGINT): stop taking requests, revoke the lease (the
+node's blocks leave every router's index at once), close the servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+
+import torch
+from aiohttp import web
+
+from cluster.engine.scheduler import Engine
+from cluster.meta.etcd_client import EtcdClient
+from cluster.meta.layout import Layout
+from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
+from cluster.engine.model_config import arena_shape_for, resolve_device, torch_dtype
+from cluster.engine.model_source import build_model, cache_namespace, tokenizer_for
+from cluster.node.tiers import DeviceOnly, NodeTiers
+from cluster.deploy.processes import announce_ready
+from cluster.meta.publisher import Publisher
+from cluster.deploy.settings import add_flags, from_args
+from cluster.node.tiered_source import TieredSource
+from cluster.node.worker import Worker, WorkerPeriods
+from cluster.node.http_api import STATE_KEY, build_app
+from cluster.deploy.worker_settings import WorkerSettings
+from store.arena import KVArena
+from store.disk_tier import DiskTier
+from store.host_tier import HostTier
+from store.pins import PrefixPins
+from store.pool import BlockPool
+from transfer.faults import source_for
+from store.tiers import TieredPool
+from transfer.fetcher import Fetcher
+from transfer.server import serve as serve_transfer
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, WorkerSettings)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(from_args(WorkerSettings, args)))
+    return 0
+
+
+def build_engine(settings: WorkerSettings) -> tuple[Engine, DeviceOnly | NodeTiers]:
+    if settings.cpu_threads > 0:
+        torch.set_num_threads(settings.cpu_threads)
+    device = resolve_device(settings.device)
+    model = build_model(settings.model, settings.model_path, settings.dtype, device, settings.seed)
+    arena = KVArena(arena_shape_for(model.config, settings.num_blocks, settings.block_size),
+                    torch_dtype(settings.dtype), device)
+    namespace = cache_namespace(model.config, settings.dtype, settings.block_size)
+    pool = BlockPool(settings.num_blocks, settings.min_residency_s)
+    tiers = build_tiers(settings, pool, arena)
+    engine = Engine(model, pool, arena, namespace, max_batch_size=settings.max_batch_size,
+                    chunk_size=settings.chunk_size, allocate=tiers.allocate)
+    return engine, tiers
+
+
+def build_tiers(settings: WorkerSettings, pool: BlockPool, arena: KVArena) -> DeviceOnly | NodeTiers:
+    """The tier chain under the pool; a tier of size 0 is not constructed, and with none there is no chain."""
+    if settings.host_tier_blocks <= 0 and settings.disk_tier_blocks <= 0:
+        return DeviceOnly(pool)
+    if settings.disk_tier_blocks > 0 and not settings.disk_tier_dir:
+        raise ValueError("--disk-tier-blocks needs --disk-tier-dir")
+    host = HostTier(settings.host_tier_blocks, arena.block_bytes) if settings.host_tier_blocks > 0 else None
+    disk = (DiskTier(settings.disk_tier_dir, arena.block_bytes, settings.disk_tier_blocks, settings.disk_queue_blocks)
+            if settings.disk_tier_blocks > 0 else None)
+    return NodeTiers(TieredPool(pool, arena, host, disk))
+
+
+async def serve(settings: WorkerSettings) -> None:
+    node_id = settings.node_id or f"{socket.gethostname()}-{os.getpid()}"
+    advertise = settings.advertise_host or settings.host
+    engine, tiers = build_engine(settings)
+    if isinstance(tiers, NodeTiers):
+        if settings.corrupt_transfer_every:
+            raise SystemExit("--corrupt-transfer-every (a test fault) works only without host/SSD tiers")
+        source = TieredSource(tiers, engine.arena)
+    else:
+        source = source_for(engine.pool, engine.arena, settings.corrupt_transfer_every)
+    transfer = await serve_transfer(engine.pool, engine.arena, f"{settings.transfer}://{settings.host}:{settings.transfer_port}",
+                                    settings.token, source=source)
+    http_socket = _bind(settings.host, settings.port)  # bound first: the record needs the real port
+    http_url = f"http://{advertise}:{http_socket.getsockname()[1]}"
+    record = NodeRecord(node_id, http_url, transfer.url.replace(f"//{settings.host}:", f"//{advertise}:"),
+                        settings.block_size, settings.num_blocks, settings.model)
+    etcd = EtcdClient(settings.etcd_endpoints)
+    membership = Membership(etcd, Layout(settings.cluster), record, MembershipConfig(ttl_s=settings.lease_ttl_s))
+    publisher = Publisher(etcd, membership, tiers.entries)
+    fetcher = Fetcher(settings.token)
+    pins = PrefixPins(engine.pool, settings.soft_pin_blocks, settings.soft_pin_ttl_s)
+    worker = Worker(engine, engine.namespace, publisher, fetcher, settings.fetch_timeout_s, tiers, pins,
+                    WorkerPeriods(soft_refresh_s=settings.soft_pin_refresh_s))
+    found = tiers.scan()  # before registering: registration publishes tiers.entries(), these included
+    if found:
+        log.info("worker %s: %d valid SSD blocks from an earlier run", node_id, len(found))
+    app = build_app(worker, settings.token, tokenizer_for(settings.model_path), source)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, http_socket).start()
+    await publisher.start()  # before membership: registering hands it the lease
+    await membership.start()
+    worker.start()
+    load_task = asyncio.create_task(_report_load(worker, membership))
+    announce_ready(http_url)
+    log.info("worker %s serving %s (transfer %s)", node_id, http_url, record.transfer_url)
+    await _wait_for_signal()
+    app[STATE_KEY]["serving"] = False
+    load_task.cancel()
+    await membership.stop()  # revokes the lease: our blocks leave the index now
+    await publisher.stop()
+    await worker.stop()
+    await runner.cleanup()
+    await transfer.close()
+    await fetcher.close()
+    await etcd.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+async def _report_load(worker: Worker, membership: Membership, period_s: float = 0.05, refresh_s: float = 1.0) -> None:
+    """Re-put the load fields when the counts change (checked every 50 ms), else once a second."""
+    last, last_sent = None, 0.0
+    while True:
+        await asyncio.sleep(period_s)
+        load = worker.load()
+        counts = (load.num_queued, load.num_running)
+        if counts != last or time.monotonic() - last_sent > refresh_s:
+            membership.update_load(load.num_queued, load.num_running, load.prefill_tokens_per_s)
+            last, last_sent = counts, time.monotonic()
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -1,0 +1,39 @@
+"""Where a process gets its model: a checkpoint directory or a named preset.
+
+Router and workers call the same functions, so they agree on the model's
+name (which enters the block-key namespace), its context and vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cluster.engine.checkpoint import load_checkpoint, random_model, read_config
+from cluster.engine.model import Transformer
+from cluster.engine.model_config import ModelConfig, namespace_for, preset, torch_dtype, with_name
+from router.contract.tokenizer import Tokenizer, load_tokenizer
+from store.keys import Namespace
+
+
+def model_config(model: str, model_path: str) -> ModelConfig:
+    """The config of `model_path`'s checkpoint (served as `model`), else the preset `model`."""
+    return with_name(read_config(model_path), model) if model_path else preset(model)
+
+
+def build_model(model: str, model_path: str, dtype: str, device: torch.device, seed: int) -> Transformer:
+    if model_path:
+        loaded = load_checkpoint(model_path, dtype=torch_dtype(dtype), device=device)
+        loaded.config = with_name(loaded.config, model)
+        return loaded
+    return random_model(preset(model), seed=seed, dtype=torch_dtype(dtype), device=device)
+
+
+def tokenizer_for(model_path: str) -> Tokenizer:
+    """The checkpoint's tokenizer.json when it has one, else the byte-level tokenizer."""
+    return load_tokenizer(Path(model_path) if model_path else "")
+
+
+def cache_namespace(config: ModelConfig, dtype: str, block_size: int) -> Namespace:
+    return namespace_for(config, torch_dtype(dtype), block_size)
