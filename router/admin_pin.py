@@ -48,7 +48,7 @@ def decode_pin(raw: bytes) -> AdminPinBody:
 
 async def forward_pin(router, body: AdminPinBody, unpin: bool) -> dict:
     """Send the pin (or unpin) to the target workers at once; per-worker replies or errors."""
-    tokens = body.tokens or (router.contract.tokenizer.encode(body.text) if body.text else [])
+    tokens = body.tokens or (router.tokenizer.encode(body.text) if body.text else [])
     keys = chain(tokens, router.config.namespace.with_salt(body.cache_salt))
     if tokens and not keys:
         raise InvalidRequest(f"the prefix has {len(tokens)} tokens: less than one block", param="text")

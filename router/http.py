@@ -91,7 +91,7 @@ async def unpin(request: web.Request) -> web.Response:
 async def _serve(request: web.Request, router: Router, prepared: Prepared) -> web.StreamResponse:
     if prepared.stream:
         return await _serve_stream(request, router, prepared)
-    detok = Detokenizer(router.contract.tokenizer.decode)
+    detok = Detokenizer(router.tokenizer.decode)
     async with contextlib.aclosing(router.generate(prepared)) as events:  # a client gone frees its worker slot now
         async for event in events:
             if isinstance(event, Token):
@@ -110,7 +110,7 @@ async def _serve_stream(request: web.Request, router: Router, prepared: Prepared
         first = await anext(events)  # routing errors still become a normal error response here
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        detok = Detokenizer(router.contract.tokenizer.decode)
+        detok = Detokenizer(router.tokenizer.decode)
 
         async def send(payload: dict) -> None:
             await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
