@@ -19,14 +19,14 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.deploy.processes import announce_ready
+from cluster.deploy.janitor import OwnedTempDir
+from cluster.deploy.processes import announce_ready, die_with_parent, fork_from_one_thread
 
 
 class EtcdServerError(RuntimeError):
@@ -66,8 +66,9 @@ class EtcdServer:
         self.config = config
         self.client_port = config.client_port or free_port(config.host)
         self.peer_port = config.peer_port or free_port(config.host)
-        self._owns_data_dir = config.data_dir is None
-        self.data_dir = config.data_dir or tempfile.mkdtemp(prefix="prefixpool-etcd-")
+        self._temp_dir = OwnedTempDir("prefixpool-etcd-") if config.data_dir is None else None
+        self.data_dir = str(self._temp_dir.path) if self._temp_dir else config.data_dir
+        Path(self.data_dir).mkdir(parents=True, exist_ok=True)  # etcd makes its own; a user names /var/lib/...
         self.process: subprocess.Popen | None = None
 
     @property
@@ -100,7 +101,10 @@ class EtcdServer:
     def start(self) -> "EtcdServer":
         assert self.process is None, "already started"
         log = open(Path(self.data_dir) / "etcd.log", "ab")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # Its own session keeps a Ctrl-C aimed at the launcher from killing etcd before the workers
+        # revoke their leases; the parent-death signal keeps it from outliving a SIGKILLed parent.
+        self.process = fork_from_one_thread(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                            preexec_fn=_own_session_dying_with_parent)
         log.close()
         self.wait_healthy()
         return self
@@ -152,14 +156,19 @@ class EtcdServer:
     def close(self) -> None:
         """Stop and remove the data dir if this server created it."""
         self.stop()
-        if self._owns_data_dir:
-            shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self._temp_dir is not None:
+            self._temp_dir.close()
 
     def __enter__(self) -> "EtcdServer":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _own_session_dying_with_parent() -> None:
+    os.setsid()
+    die_with_parent()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

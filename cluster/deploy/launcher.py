@@ -12,14 +12,13 @@ of what the components do.
 from __future__ import annotations
 
 import argparse
-import shutil
 import signal
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.deploy.etcd_server import EtcdServer
+from cluster.deploy.janitor import OwnedTempDir
 from cluster.deploy.processes import Child, python_argv, spawn
 
 
@@ -35,8 +34,8 @@ class LocalCluster:
     router: Child | None = None
 
     def start(self) -> "LocalCluster":
-        self._own_logs = self.log_dir is None
-        self.log_dir = Path(tempfile.mkdtemp(prefix="prefixpool-up-")) if self.log_dir is None else Path(self.log_dir)
+        self._temp_logs = OwnedTempDir("prefixpool-up-") if self.log_dir is None else None
+        self.log_dir = self._temp_logs.path if self._temp_logs else Path(self.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.etcd = EtcdServer().start()
@@ -70,8 +69,8 @@ class LocalCluster:
                 child.stop()
         if self.etcd is not None:
             self.etcd.close()
-        if getattr(self, "_own_logs", False) and self.log_dir is not None:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
+        if getattr(self, "_temp_logs", None) is not None:
+            self._temp_logs.close()
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

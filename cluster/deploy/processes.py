@@ -39,6 +39,11 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def fork_from_one_thread(argv: list[str], **popen_kwargs) -> subprocess.Popen:
+    """subprocess.Popen from the one long-lived forker thread (see _FORKER), so PR_SET_PDEATHSIG holds."""
+    return _FORKER.submit(subprocess.Popen, argv, **popen_kwargs).result()
+
+
 def announce_ready(url: str) -> None:
     """Called by a component once it serves, so a launcher can learn its URL."""
     print(f"{READY_PREFIX}{url}", flush=True)
@@ -74,8 +79,8 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
     """Start `argv` and wait for its READY line; raise ChildFailed with its log tail otherwise."""
     log_path = log_dir / f"{name}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - the child owns it for its lifetime
-    process = _FORKER.submit(subprocess.Popen, argv, stdout=subprocess.PIPE, stderr=log,
-                             env={**os.environ, **(env or {})}, preexec_fn=preexec_fn).result()
+    process = fork_from_one_thread(argv, stdout=subprocess.PIPE, stderr=log, env={**os.environ, **(env or {})},
+                                   preexec_fn=preexec_fn)
     deadline = time.monotonic() + timeout_s
     buffered = b""
     while time.monotonic() < deadline:

@@ -15,13 +15,12 @@ orphan. Knows nothing of engines or routing.
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster.deploy.janitor import OwnedTempDir
 from cluster.deploy.processes import Child, python_argv, spawn
 
 NAMESPACE = "prefixpool"
@@ -29,8 +28,8 @@ class ProcessActor:
     """Runs one prefixpool component as a child process for as long as the actor lives."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        log_dir = Path(tempfile.mkdtemp(prefix=f"prefixpool-{name}-"))
-        self.child: Child = spawn(name, python_argv(*args), log_dir, env)
+        self.log_dir = OwnedTempDir(f"prefixpool-{name}-")  # removed even if Ray SIGKILLs this actor
+        self.child: Child = spawn(name, python_argv(*args), self.log_dir.path, env)
 
     def url(self) -> str:
         return self.child.url
@@ -43,6 +42,7 @@ class ProcessActor:
 
     def stop(self) -> None:
         self.child.stop()
+        self.log_dir.close()
 
 
 @dataclass(frozen=True)
