@@ -7,11 +7,12 @@ EXTRAS="${EXTRAS:-dev,ucx,ray,bench}"
 
 # Debian packages: libxxhash-dev builds the C chain loop (store/_chain.c);
 # Mooncake's transfer engine (the benchmark peer) needs the RDMA/NUMA libraries.
-if [[ ! -f /usr/include/xxhash.h ]] || ! ldconfig -p | grep -q libibverbs.so.1; then
+# iproute2 (ip, tc) lets the multi-host tests make network namespaces (as root).
+if [[ ! -f /usr/include/xxhash.h ]] || ! ldconfig -p | grep -q libibverbs.so.1 || ! command -v tc >/dev/null; then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    apt-get update -qq && apt-get install -y -qq libxxhash-dev libibverbs1 librdmacm1 libnuma1 >/dev/null
+    apt-get update -qq && apt-get install -y -qq libxxhash-dev libibverbs1 librdmacm1 libnuma1 iproute2 >/dev/null
   else
-    echo "note: install libxxhash-dev libibverbs1 librdmacm1 libnuma1 (Debian) for the full build" >&2
+    echo "note: install libxxhash-dev libibverbs1 librdmacm1 libnuma1 iproute2 (Debian) for the full build" >&2
   fi
 fi
 

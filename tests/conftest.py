@@ -83,3 +83,19 @@ class LocalNode:
         for key in keys:
             self.held.pop(key, None)
         self.publisher.publish(removed=keys)
+
+
+@pytest.fixture(scope="module")
+def hosts(request):
+    """NUM_HOSTS (a module constant, default 3) network namespaces on a bridge, shared by the module's tests."""
+    from scripts.multihost import Hosts, HostsUnavailable
+
+    made = Hosts(getattr(request.module, "NUM_HOSTS", 3))
+    try:
+        made.create()
+    except HostsUnavailable as err:
+        pytest.skip(str(err))
+    try:
+        yield made
+    finally:
+        made.remove()

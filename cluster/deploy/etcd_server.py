@@ -35,7 +35,8 @@ class EtcdServerError(RuntimeError):
 
 @dataclass(frozen=True)
 class EtcdServerConfig:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address etcd listens on (0.0.0.0: every interface)
+    advertise_host: str = ""  # the address clients and peers are told; default: host (required with 0.0.0.0)
     client_port: int = 0  # 0: pick a free port
     peer_port: int = 0
     data_dir: str | None = None  # None: a fresh temporary directory, removed on stop
@@ -63,6 +64,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class EtcdServer:
     def __init__(self, config: EtcdServerConfig = EtcdServerConfig()) -> None:
+        if config.host in ("0.0.0.0", "::") and not config.advertise_host:
+            raise EtcdServerError(f"etcd listening on {config.host} needs --advertise-host (an address clients can reach)")
         self.config = config
         self.client_port = config.client_port or free_port(config.host)
         self.peer_port = config.peer_port or free_port(config.host)
@@ -72,9 +75,13 @@ class EtcdServer:
         self.process: subprocess.Popen | None = None
 
     @property
+    def advertised(self) -> str:
+        return self.config.advertise_host or self.config.host
+
+    @property
     def endpoint(self) -> str:
         """host:port of the client API (what EtcdClient takes)."""
-        return f"{self.config.host}:{self.client_port}"
+        return f"{self.advertised}:{self.client_port}"
 
     @property
     def client_url(self) -> str:
@@ -85,14 +92,14 @@ class EtcdServer:
         return None if self.process is None else self.process.pid
 
     def command(self) -> list[str]:
-        peer_url = f"http://{self.config.host}:{self.peer_port}"
+        peer_url = f"http://{self.advertised}:{self.peer_port}"
         return [
             find_binary("etcd"),
             "--name", self.config.name,
             "--data-dir", str(Path(self.data_dir) / "member-data"),
-            "--listen-client-urls", self.client_url,
+            "--listen-client-urls", f"http://{self.config.host}:{self.client_port}",
             "--advertise-client-urls", self.client_url,
-            "--listen-peer-urls", peer_url,
+            "--listen-peer-urls", f"http://{self.config.host}:{self.peer_port}",
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"{self.config.name}={peer_url}",
             "--log-level", self.config.log_level,
@@ -173,15 +180,18 @@ def _own_session_dying_with_parent() -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
-    parser.add_argument("--host", default=env("PREFIXPOOL_ETCD_HOST", "127.0.0.1"))
+    parser.add_argument("--host", default=env("PREFIXPOOL_ETCD_HOST", "127.0.0.1"),
+                        help="address to listen on (0.0.0.0: all; then --advertise-host is required) (env PREFIXPOOL_ETCD_HOST)")
+    parser.add_argument("--advertise-host", default=env("PREFIXPOOL_ETCD_ADVERTISE_HOST", ""),
+                        help="address clients are told (default: --host) (env PREFIXPOOL_ETCD_ADVERTISE_HOST)")
     parser.add_argument("--client-port", type=int, default=int(env("PREFIXPOOL_ETCD_CLIENT_PORT", "0")))
     parser.add_argument("--peer-port", type=int, default=int(env("PREFIXPOOL_ETCD_PEER_PORT", "0")))
     parser.add_argument("--data-dir", default=env("PREFIXPOOL_ETCD_DATA_DIR"), help="default: a temp dir")
 
 
 def run(args: argparse.Namespace) -> int:
-    config = EtcdServerConfig(host=args.host, client_port=args.client_port, peer_port=args.peer_port,
-                              data_dir=args.data_dir)  # fmt: skip
+    config = EtcdServerConfig(host=args.host, advertise_host=args.advertise_host, client_port=args.client_port,
+                              peer_port=args.peer_port, data_dir=args.data_dir)  # fmt: skip
     server = EtcdServer(config)
     stop = False
 

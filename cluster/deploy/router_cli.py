@@ -14,9 +14,11 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 
 from aiohttp import web
 
+from cluster.deploy.addresses import WILDCARDS, AddressError, advertise_host, bind_host
 from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
 from cluster.meta.mirror import Mirror
@@ -39,7 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(from_args(RouterSettings, args)))
+    settings = from_args(RouterSettings, args)
+    try:
+        host = bind_host(settings.host, settings.etcd_endpoints)
+        url_host = host if host not in WILDCARDS else advertise_host(host, "", settings.etcd_endpoints)
+    except AddressError as err:
+        print(f"prefixpool router: {err}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(settings, host, url_host))
     return 0
 
 
@@ -56,7 +65,8 @@ def build_router(settings: RouterSettings, view, client: WorkerClient) -> Router
     return Router(router_config, tokenizer_for(settings.model_path), view, client, costs)
 
 
-async def serve(settings: RouterSettings) -> None:
+async def serve(settings: RouterSettings, host: str, url_host: str) -> None:
+    """Bind `host`; announce `url_host` (the same, or a reachable address when bound to 0.0.0.0)."""
     etcd = EtcdClient(settings.etcd_endpoints)
     mirror = Mirror(etcd, Layout(settings.cluster))
     client = WorkerClient(settings.worker_token, read_timeout_s=settings.request_timeout_s)
@@ -64,12 +74,12 @@ async def serve(settings: RouterSettings) -> None:
     await mirror.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
+    sock.bind((host, settings.port))
     runner = web.AppRunner(build_app(router), access_log=None)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     speed_task = asyncio.create_task(_follow_prefill_speed(router, mirror))
-    url = f"http://{settings.host}:{sock.getsockname()[1]}"
+    url = f"http://{url_host}:{sock.getsockname()[1]}"
     announce_ready(url)
     log.info("router serving %s (policy %s)", url, settings.policy)
     stop = asyncio.Event()

@@ -10,7 +10,8 @@ from cluster.deploy.settings import setting
 
 @dataclass(frozen=True)
 class RouterSettings(CommonSettings):
-    host: str = setting("127.0.0.1", "address to bind")
+    host: str = setting("", "address to bind (default: 127.0.0.1 when etcd is on loopback, else the local address "
+                        "of the interface routing to etcd; 0.0.0.0 binds all)")
     port: int = setting(8000, "port to bind (0 picks a free one)")
     policy: str = setting("cost", "routing policy: cost, cost_local, least_load, longest_prefix, round_robin, random")
     api_key: str = setting("", "if set, clients must send 'Authorization: Bearer <key>'")

@@ -18,11 +18,13 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 
 import torch
 from aiohttp import web
 
+from cluster.deploy.addresses import WILDCARDS, AddressError, advertise_host, bind_host, interface_of
 from cluster.engine.scheduler import Engine
 from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
@@ -44,6 +46,7 @@ from store.pins import PrefixPins
 from store.pool import BlockPool
 from transfer.faults import source_for
 from store.tiers import TieredPool
+from transfer.address import parse_url
 from transfer.fetcher import Fetcher
 from transfer.server import serve as serve_transfer
 
@@ -56,7 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(from_args(WorkerSettings, args)))
+    settings = from_args(WorkerSettings, args)
+    try:
+        host = bind_host(settings.host, settings.etcd_endpoints)
+        advertise = advertise_host(host, settings.advertise_host, settings.etcd_endpoints)
+    except AddressError as err:
+        print(f"prefixpool worker: {err}", file=sys.stderr)
+        return 2
+    if settings.transfer == "ucx":  # UCX reads it once, at its first call; it must name the interface peers reach
+        os.environ.setdefault("UCX_NET_DEVICES", interface_of(advertise if host in WILDCARDS else host) or "all")
+    asyncio.run(serve(settings, host, advertise))
     return 0
 
 
@@ -87,9 +99,9 @@ def build_tiers(settings: WorkerSettings, pool: BlockPool, arena: KVArena) -> De
     return NodeTiers(TieredPool(pool, arena, host, disk))
 
 
-async def serve(settings: WorkerSettings) -> None:
+async def serve(settings: WorkerSettings, host: str, advertise: str) -> None:
+    """Serve on `host` (bound) as `advertise` (what etcd records), both decided by cluster.deploy.addresses."""
     node_id = settings.node_id or f"{socket.gethostname()}-{os.getpid()}"
-    advertise = settings.advertise_host or settings.host
     engine, tiers = build_engine(settings)
     if isinstance(tiers, NodeTiers):
         if settings.corrupt_transfer_every:
@@ -97,12 +109,12 @@ async def serve(settings: WorkerSettings) -> None:
         source = TieredSource(tiers, engine.arena)
     else:
         source = source_for(engine.pool, engine.arena, settings.corrupt_transfer_every)
-    transfer = await serve_transfer(engine.pool, engine.arena, f"{settings.transfer}://{settings.host}:{settings.transfer_port}",
+    transfer = await serve_transfer(engine.pool, engine.arena, f"{settings.transfer}://{host}:{settings.transfer_port}",
                                     settings.token, source=source)
-    http_socket = _bind(settings.host, settings.port)  # bound first: the record needs the real port
+    http_socket = _bind(host, settings.port)  # bound first: the record needs the real port
     http_url = f"http://{advertise}:{http_socket.getsockname()[1]}"
-    record = NodeRecord(node_id, http_url, transfer.url.replace(f"//{settings.host}:", f"//{advertise}:"),
-                        settings.block_size, settings.num_blocks, settings.model)
+    transfer_url = f"{settings.transfer}://{advertise}:{parse_url(transfer.url).port}"
+    record = NodeRecord(node_id, http_url, transfer_url, settings.block_size, settings.num_blocks, settings.model)
     etcd = EtcdClient(settings.etcd_endpoints)
     membership = Membership(etcd, Layout(settings.cluster), record, MembershipConfig(ttl_s=settings.lease_ttl_s))
     publisher = Publisher(etcd, membership, tiers.entries)

@@ -11,9 +11,11 @@ from cluster.deploy.settings import setting
 @dataclass(frozen=True)
 class WorkerSettings(CommonSettings):
     node_id: str = setting("", "unique node name in the cluster (default: host-pid)")
-    host: str = setting("127.0.0.1", "address the internal HTTP API binds")
+    host: str = setting("", "address the internal HTTP API and the transfer server bind (default: 127.0.0.1 "
+                        "when etcd is on loopback, else the local address of the interface routing to etcd)")
     port: int = setting(0, "internal HTTP port (0 picks a free one)")
-    advertise_host: str = setting("", "address peers and the router use to reach this worker (default: host)")
+    advertise_host: str = setting("", "address peers and the router use to reach this worker, put in etcd (default: "
+                                  "host; with host 0.0.0.0 the address routing to etcd; never loopback into a remote etcd)")
     transfer: str = setting("tcp", "block transfer transport: tcp or ucx")
     transfer_port: int = setting(0, "transfer server port (0 picks a free one)")
     lease_ttl_s: int = setting(10, "etcd lease TTL; the node's blocks vanish this long after it dies")

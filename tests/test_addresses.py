@@ -1,0 +1,48 @@
+"""Address rules: bind what is asked, advertise what peers can reach, refuse loopback into a remote etcd."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from cluster.deploy.addresses import AddressError, advertise_host, bind_host, interface_of, route_source
+from cluster.deploy.processes import python_argv
+
+REMOTE_ETCD = "198.18.250.1:2379"  # benchmarking range: routed (by default route) but never contacted
+
+
+def test_loopback_etcd_keeps_everything_on_loopback():
+    assert bind_host("", "127.0.0.1:2379") == "127.0.0.1"
+    assert advertise_host("127.0.0.1", "", "127.0.0.1:2379,localhost:2380") == "127.0.0.1"
+    assert advertise_host("0.0.0.0", "", "127.0.0.1:2379") == "127.0.0.1"
+
+
+def test_given_addresses_win():
+    assert bind_host("0.0.0.0", REMOTE_ETCD) == "0.0.0.0"
+    assert advertise_host("0.0.0.0", "10.9.8.7", REMOTE_ETCD) == "10.9.8.7"
+    assert advertise_host("10.9.8.7", "", REMOTE_ETCD) == "10.9.8.7"
+
+
+def test_nothing_given_with_a_remote_etcd_picks_the_address_routing_to_it():
+    try:
+        expected = route_source("198.18.250.1")
+    except AddressError:
+        pytest.skip("this machine has no route towards 198.18.0.0/15 at all")
+    assert bind_host("", REMOTE_ETCD) == expected
+    assert advertise_host("0.0.0.0", "", REMOTE_ETCD) == expected
+    assert interface_of(expected) is not None
+    assert interface_of("127.0.0.1") == "lo"
+
+
+@pytest.mark.parametrize("bound, given", [("127.0.0.1", ""), ("0.0.0.0", "127.0.0.1"), ("10.0.0.5", "localhost")])
+def test_loopback_into_a_remote_etcd_is_refused(bound, given):
+    with pytest.raises(AddressError, match="loopback"):
+        advertise_host(bound, given, REMOTE_ETCD)
+
+
+def test_worker_refuses_clearly_before_starting_anything():
+    argv = python_argv("worker", "--host", "127.0.0.1", "--etcd-endpoints", REMOTE_ETCD)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "would advertise loopback 127.0.0.1" in done.stderr and "--advertise-host" in done.stderr
