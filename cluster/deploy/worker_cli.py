@@ -66,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
     except AddressError as err:
         print(f"prefixpool worker: {err}", file=sys.stderr)
         return 2
-    if settings.transfer == "ucx":  # UCX reads it once, at its first call; it must name the interface peers reach
-        os.environ.setdefault("UCX_NET_DEVICES", interface_of(advertise if host in WILDCARDS else host) or "all")
+    # UCX (serving, or fetching from a UCX peer) reads this once; it must name the interface peers reach.
+    os.environ.setdefault("UCX_NET_DEVICES", interface_of(advertise if host in WILDCARDS else host) or "all")
     asyncio.run(serve(settings, host, advertise))
     return 0
 
