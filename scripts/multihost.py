@@ -4,6 +4,7 @@
         hosts[0].address                        # 198.18.K.1 (hosts are .1 .. .N; the bridge is .254)
         hosts.spawn(hosts[0], "etcd", python_argv("etcd", "--host", hosts[0].address), log_dir)
         hosts.link_down(hosts[1]) / link_up     # cut a host off the bridge (ip link set ... down)
+        hosts.partition(hosts[0], hosts[1])     # cut two hosts apart only (blackhole routes); heal() undoes
         hosts.shape(hosts[1], mbit=200)         # tc tbf on both directions of that host's link
     # on exit, also on failure: processes stopped by pid, namespaces and links deleted
 
@@ -113,11 +114,26 @@ class Hosts:
     def link_up(self, host: Host) -> None:
         _ip("link", "set", host.link, "up")
 
+    def partition(self, a: Host, b: Host) -> None:
+        """Cut a and b apart (blackhole routes both ways); both stay reachable from everyone else."""
+        _ip("-n", a.name, "route", "add", "blackhole", f"{b.address}/32")
+        _ip("-n", b.name, "route", "add", "blackhole", f"{a.address}/32")
+
+    def heal(self, a: Host, b: Host) -> None:
+        _ip("-n", a.name, "route", "del", "blackhole", f"{b.address}/32")
+        _ip("-n", b.name, "route", "del", "blackhole", f"{a.address}/32")
+
     def shape(self, host: Host, mbit: int) -> None:
         """Limit the host's link to `mbit` both ways (tbf; netem is not in every kernel)."""
         for prefix, dev in ((["tc"], host.link), (["ip", "netns", "exec", host.name, "tc"], "eth0")):
             subprocess.run([*prefix, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-                            "burst", "256kb", "latency", "200ms"], check=True, capture_output=True, timeout=30)
+                            "burst", "32kb", "latency", "200ms"], check=True, capture_output=True, timeout=30)
+
+    def sent_bytes(self, host: Host) -> int:
+        """Bytes the host has sent through its shaped eth0 since shape() (the qdisc's counter)."""
+        out = subprocess.run(host.argv(["tc", "-s", "qdisc", "show", "dev", "eth0"]), capture_output=True, text=True,
+                             check=True, timeout=30).stdout
+        return int(out.split("Sent ", 1)[1].split()[0])
 
     def unshape(self, host: Host) -> None:
         for prefix, dev in ((["tc"], host.link), (["ip", "netns", "exec", host.name, "tc"], "eth0")):
