@@ -9,10 +9,16 @@ import os
 import time
 import urllib.request
 
+import signal
+import tempfile
+from pathlib import Path
+
 import pytest
 import ray
 
 from cluster.deploy import ray_deploy
+from cluster.deploy.etcd_server import free_port
+from tests.conftest import etcdctl_get_prefix
 
 PROMPT = "Ray deployment check. " * 20
 
@@ -44,13 +50,15 @@ def deployment():
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray.init(num_cpus=4, include_dashboard=False, namespace=ray_deploy.NAMESPACE, log_to_driver=False)
     try:
-        deployed = ray_deploy.up(2, router_port=0, env={"PREFIXPOOL_LEASE_TTL_S": "3", "PREFIXPOOL_NUM_BLOCKS": "512"})
+        deployed = ray_deploy.up(2, router_port=0, etcd_port=free_port(),
+                                 env={"PREFIXPOOL_LEASE_TTL_S": "3", "PREFIXPOOL_NUM_BLOCKS": "512"})
         wait_for(lambda: workers_seen(deployed.router_url) == 2)
         yield deployed
     finally:
         removed = ray_deploy.down()
         ray.shutdown()
     assert {"router", "etcd", "worker-0", "worker-1"} <= set(removed)
+    assert not Path(tempfile.gettempdir(), f"prefixpool-ray-etcd-{deployed.etcd_endpoints.rsplit(':', 1)[1]}").exists()
 
 
 def test_cache_hit_through_ray(deployment):
@@ -78,3 +86,34 @@ def _restarted(actor, old_pid: int) -> bool:
         return ray.get(actor.pid.remote(), timeout=5) != old_pid
     except ray.exceptions.RayError:
         return False
+
+
+def test_sigkilled_supervisor_leaves_no_process_and_no_temp_dir(deployment):
+    actor = ray_deploy.get_actor("worker-0")
+    supervisor, child, log_dir = ray.get([actor.supervisor_pid.remote(), actor.pid.remote(), actor.log_path.remote()])
+    assert Path(log_dir).is_dir()
+    os.kill(supervisor, signal.SIGKILL)
+    wait_for(lambda: not _alive(child) and not Path(log_dir).exists(), timeout_s=60)
+    wait_for(lambda: _restarted(actor, child), timeout_s=90)
+    wait_for(lambda: workers_seen(deployment.router_url) == 2)
+
+
+def test_restarted_etcd_actor_keeps_its_endpoint_and_data(deployment):
+    actor = ray_deploy.get_actor("etcd")
+    old_pid = ray.get(actor.pid.remote())
+    ray.kill(actor, no_restart=False)
+    wait_for(lambda: _restarted(actor, old_pid), timeout_s=90)
+    assert ray.get(actor.url.remote()) == deployment.etcd_endpoints
+    server = type("Endpoint", (), {"client_url": f"http://{deployment.etcd_endpoints}"})()
+    _, kvs = etcdctl_get_prefix(server, "/prefixpool/default/nodes/")
+    assert len(kvs) == 2  # the data dir survived: the workers' records (and leases) are still there
+    answer = ask(deployment.router_url, PROMPT + " after etcd restart", "ray-etcd")
+    assert answer["choices"][0]["text"] == ask(deployment.router_url, PROMPT + " after etcd restart", "ray-etcd-cold")["choices"][0]["text"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"

@@ -6,7 +6,10 @@
 Each actor is a thin supervisor around the same process `prefixpool up` runs
 (`prefixpool worker|router|etcd`), so Ray adds placement and restarts and
 nothing else: a worker actor asks for one GPU where the cluster has GPUs,
-workers spread across nodes, the router and etcd sit on the head node.
+workers go round-robin over the nodes (node affinity), the router and etcd sit on the head node.
+etcd listens on the head's node address (loopback on a one-node cluster) at a
+fixed port with a fixed data dir, so a restarted etcd actor is the same
+endpoint with the same data; `down` removes that dir.
 Actors restart on death (max_restarts); a restarted worker re-registers in
 etcd under a new lease and the router learns of it through its mirror. The
 child dies with its actor (PR_SET_PDEATHSIG), so a killed actor leaves no
@@ -15,6 +18,9 @@ orphan. Knows nothing of engines or routing.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 import ray
@@ -27,9 +33,16 @@ NAMESPACE = "prefixpool"
 class ProcessActor:
     """Runs one prefixpool component as a child process for as long as the actor lives."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, name: str, args: list[str], env: dict[str, str], remove_on_stop: tuple[str, ...] = ()) -> None:
         self.log_dir = OwnedTempDir(f"prefixpool-{name}-")  # removed even if Ray SIGKILLs this actor
+        self.remove_on_stop = remove_on_stop  # kept across restarts (etcd's data), removed by `ray down`
         self.child: Child = spawn(name, python_argv(*args), self.log_dir.path, env)
+
+    def supervisor_pid(self) -> int:
+        return os.getpid()
+
+    def log_path(self) -> str:
+        return str(self.log_dir.path)
 
     def url(self) -> str:
         return self.child.url
@@ -43,6 +56,8 @@ class ProcessActor:
     def stop(self) -> None:
         self.child.stop()
         self.log_dir.close()
+        for path in self.remove_on_stop:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class Deployment:
     router_url: str
     etcd_endpoints: str
     worker_names: list[str]
+    worker_urls: list[str]
 
 
 def _head_node_id() -> str:
@@ -59,31 +75,67 @@ def _head_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def _actor(name: str, *, on_head: bool = False, num_gpus: float = 0, spread: bool = False):
-    strategy = NodeAffinitySchedulingStrategy(_head_node_id(), soft=False) if on_head else ("SPREAD" if spread else "DEFAULT")
+def _worker_nodes(num_workers: int, num_gpus: float) -> list[str]:
+    """One node id per worker, round-robin over the nodes that fit one (worker nodes before the head).
+
+    Ray's SPREAD and soft node affinity are best-effort and were seen putting both
+    zero-CPU workers of a 3-node cluster on one node; a hard affinity does spread them.
+    The price: a worker whose node dies stays down (the router routes around it)
+    until the next `ray up`; one that dies on a live node is restarted there."""
+    head = _head_node_id()
+    fits = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= num_gpus]
+    order = sorted(fits, key=lambda n: (n["NodeID"] == head, n["NodeManagerAddress"]))
+    return [order[i % len(order)]["NodeID"] for i in range(num_workers)]
+
+
+def _actor(name: str, *, on_head: bool = False, num_gpus: float = 0, node_id: str | None = None):
+    if on_head:
+        strategy = NodeAffinitySchedulingStrategy(_head_node_id(), soft=False)
+    else:
+        strategy = NodeAffinitySchedulingStrategy(node_id, soft=False) if node_id else "SPREAD"
     return ray.remote(ProcessActor).options(
         name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, max_task_retries=-1,
         num_cpus=0, num_gpus=num_gpus, scheduling_strategy=strategy)
 
 
-def up(num_workers: int, *, etcd_endpoints: str = "", router_port: int = 8000, router_host: str = "127.0.0.1",
-       worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Deployment:
-    """Deploy on the Ray cluster `ray.init` connected to; returns where it serves."""
+def _head_address() -> str:
+    """Where the etcd actor listens: the head's node address on a multi-node cluster, loopback on one node."""
+    alive = [node for node in ray.nodes() if node["Alive"]]
+    if len(alive) == 1:
+        return "127.0.0.1"
+    return next(n["NodeManagerAddress"] for n in alive if n["NodeID"] == _head_node_id())
+
+
+def _start_etcd(port: int, data_dir: str, env: dict[str, str]) -> str:
+    """The etcd actor: a fixed address, port and data dir, so a restarted actor is the same etcd, data included."""
+    data_dir = data_dir or f"{tempfile.gettempdir()}/prefixpool-ray-etcd-{port}"
+    args = ["etcd", "--host", _head_address(), "--client-port", str(port), "--peer-port", str(port + 1),
+            "--data-dir", data_dir]
+    etcd = _actor("etcd", on_head=True).remote("etcd", args, env, (data_dir,))
+    return ray.get(etcd.url.remote())
+
+
+def up(num_workers: int, *, etcd_endpoints: str = "", etcd_port: int = 2379, etcd_data_dir: str = "",
+       router_port: int = 8000, router_host: str = "127.0.0.1", worker_args: tuple[str, ...] = (),
+       router_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Deployment:
+    """Deploy on the Ray cluster `ray.init` connected to; returns where it serves.
+
+    Workers get no address flags: with etcd on the head's node address each binds and
+    advertises its own node's address (cluster.deploy.addresses)."""
     env = dict(env or {})
     if not etcd_endpoints:
-        etcd = _actor("etcd", on_head=True).remote("etcd", ["etcd"], env)
-        etcd_endpoints = ray.get(etcd.url.remote())
+        etcd_endpoints = _start_etcd(etcd_port, etcd_data_dir, env)
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= num_workers else 0
     names = [f"worker-{i}" for i in range(num_workers)]
     workers = [
-        _actor(name, num_gpus=gpus, spread=True).remote(
+        _actor(name, num_gpus=gpus, node_id=node_id).remote(
             name, ["worker", "--node-id", name, "--etcd-endpoints", etcd_endpoints, *worker_args], env)
-        for name in names
+        for name, node_id in zip(names, _worker_nodes(num_workers, gpus))
     ]
-    ray.get([w.url.remote() for w in workers])
+    urls = ray.get([w.url.remote() for w in workers])
     router = _actor("router", on_head=True).remote("router", [
         "router", "--etcd-endpoints", etcd_endpoints, "--host", router_host, "--port", str(router_port), *router_args], env)
-    return Deployment(ray.get(router.url.remote()), etcd_endpoints, names)
+    return Deployment(ray.get(router.url.remote()), etcd_endpoints, names, urls)
 
 
 def down() -> list[str]:
