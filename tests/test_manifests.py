@@ -96,3 +96,32 @@ def test_the_common_config_map_is_exactly_the_shared_settings():
 
     common = next(d for d in render("base") if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "prefixpool-common")
     assert set(common["data"]) == env_names(CommonSettings)
+
+
+LOOPBACK = ("127.", "localhost", "::1", "[::1]")
+ADDRESS_VARS = ("PREFIXPOOL_HOST", "PREFIXPOOL_ADVERTISE_HOST", "PREFIXPOOL_ETCD_ENDPOINTS")
+ADDRESS_FLAGS = ("--router-host", "--etcd-endpoints", "--host", "--advertise-host")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_worker_advertises_its_pod_ip_and_no_address_is_loopback(overlay):
+    docs = render(overlay)
+    config_maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    runs_workers = 0
+    for container in containers(docs):
+        if container["image"].split(":")[0] != "prefixpool":
+            continue
+        env = {e["name"]: e for e in container.get("env", [])}
+        values = {name: e.get("value", "") for name, e in env.items()}
+        for source in container.get("envFrom", []):
+            values.update(config_maps[source["configMapRef"]["name"]])
+        args = container.get("args", [])
+        given = [values.get(v, "") for v in ADDRESS_VARS]
+        given += [args[i + 1] for i, a in enumerate(args[:-1]) if a in ADDRESS_FLAGS]
+        for value in given:
+            assert not any(part.strip().startswith(LOOPBACK) for part in value.split(",")), (container["name"], value)
+        if not args or args[0] == "worker":  # the container runs workers (a Ray node runs worker actors)
+            runs_workers += 1
+            advertise = env["PREFIXPOOL_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"]
+            assert advertise == "status.podIP", container["name"]
+    assert runs_workers >= 1

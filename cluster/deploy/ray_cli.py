@@ -1,13 +1,17 @@
 """`prefixpool ray up|down`: deploy on (or remove from) an existing Ray cluster.
 
 Every PREFIXPOOL_* variable of this shell is passed to the actors' processes,
-so worker and router settings are given the same way as everywhere else.
+so worker and router settings are given the same way as everywhere else;
+except the addresses (PER_NODE), which describe this machine, not the node an
+actor lands on: there each actor reads its node's own environment.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+
+PER_NODE = ("PREFIXPOOL_HOST", "PREFIXPOOL_ADVERTISE_HOST")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "down":
         print("removed:", ", ".join(ray_deploy.down()) or "nothing")
         return 0
-    env = {k: v for k, v in os.environ.items() if k.startswith("PREFIXPOOL_")}
+    env = {k: v for k, v in os.environ.items() if k.startswith("PREFIXPOOL_") and k not in PER_NODE}
     deployment = ray_deploy.up(args.workers, etcd_endpoints=args.etcd_endpoints, etcd_port=args.etcd_port,
                                etcd_data_dir=args.etcd_data_dir, router_port=args.router_port,
                                router_host=args.router_host, env=env)
