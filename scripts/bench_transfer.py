@@ -1,6 +1,11 @@
-"""Loopback throughput of moving KV blocks: raw socket, our TCP, our UCX, Mooncake's engine.
+"""Throughput of moving KV blocks: raw socket, our TCP, our UCX, Mooncake's engine; loopback or across hosts.
 
     python scripts/bench_transfer.py [--total-mib 1024] [--arena-mib 256]
+    python scripts/bench_transfer.py --hosts --movers "raw socket,prefixpool TCP,prefixpool UCX"   # root
+
+With --hosts the holder and the receiver run in two network namespaces on a
+veth bridge (scripts/multihost.py), each process entering its namespace with
+setns(2) before it makes a socket or a thread; UCX uses the namespace's eth0.
 
 Each row moves about `total-mib` of blocks of one size from a holder process
 to a receiver process over 127.0.0.1 (the same 256 MiB arena, sent again and
@@ -15,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import multiprocessing
 import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -63,13 +70,37 @@ def digest(arena: KVArena) -> int:
     return xxhash.xxh3_64_intdigest(raw_view(arena))
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the holder and the receiver run: loopback, or two network namespaces (ns None: this one)."""
+
+    holder_address: str = "127.0.0.1"
+    holder_ns: str | None = None
+    receiver_address: str = "127.0.0.1"
+    receiver_ns: str | None = None
+
+
+LOOPBACK = Placement()
+_CLONE_NEWNET = 0x40000000
+
+
+def enter(ns: str | None) -> None:
+    """Move this process (before it has threads or sockets) into network namespace `ns`."""
+    if ns is None:
+        return
+    with open(f"/var/run/netns/{ns}") as handle:
+        if ctypes.CDLL("libc.so.6", use_errno=True).setns(handle.fileno(), _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {ns}")
+
+
 # --- holders (child processes) ---------------------------------------------
 
 
-def raw_holder(conn, block_bytes: int, arena_bytes: int, passes: int) -> None:
+def raw_holder(conn, place: Placement, block_bytes: int, arena_bytes: int, passes: int) -> None:
+    enter(place.holder_ns)
     arena = filled_arena(block_bytes, arena_bytes)
     view = raw_view(arena)
-    with socket.create_server(("127.0.0.1", 0)) as listener:
+    with socket.create_server((place.holder_address, 0)) as listener:
         conn.send((listener.getsockname()[1], digest(arena)))
         sock, _ = listener.accept()
     with sock:
@@ -79,7 +110,8 @@ def raw_holder(conn, block_bytes: int, arena_bytes: int, passes: int) -> None:
         sock.recv(1)
 
 
-def transfer_holder(conn, scheme: str, block_bytes: int, arena_bytes: int) -> None:
+def transfer_holder(conn, place: Placement, scheme: str, block_bytes: int, arena_bytes: int) -> None:
+    enter(place.holder_ns)
     from transfer import serve
 
     async def main() -> None:
@@ -89,7 +121,7 @@ def transfer_holder(conn, scheme: str, block_bytes: int, arena_bytes: int) -> No
         for key, block_id in zip(keys_for(arena.num_blocks), allocation.block_ids):
             pool.commit(block_id, key)
         pool.free(allocation.block_ids)
-        server = await serve(pool, arena, f"{scheme}://127.0.0.1:0")
+        server = await serve(pool, arena, f"{scheme}://{place.holder_address}:0")
         conn.send((server.url, digest(arena)))
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # the pipe, not the pool
         await server.close()
@@ -97,15 +129,16 @@ def transfer_holder(conn, scheme: str, block_bytes: int, arena_bytes: int) -> No
     asyncio.run(main())
 
 
-def mooncake_target(conn, block_bytes: int, arena_bytes: int) -> None:
+def mooncake_target(conn, place: Placement, block_bytes: int, arena_bytes: int) -> None:
+    enter(place.holder_ns)
     from mooncake.engine import TransferEngine
 
     arena = arena_for(block_bytes, arena_bytes)
     engine = TransferEngine()
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert engine.initialize(place.holder_address, "P2PHANDSHAKE", "tcp", "") == 0
     address = arena.tensor.data_ptr()
     assert engine.register_memory(address, arena_bytes) == 0
-    conn.send((f"127.0.0.1:{engine.get_rpc_port()}", address))
+    conn.send((f"{place.holder_address}:{engine.get_rpc_port()}", address))
     conn.recv()
     conn.send(digest(arena))
 
@@ -125,12 +158,12 @@ def start(target, *args):
     return process, here
 
 
-def run_raw(block_bytes: int, arena_bytes: int, passes: int) -> tuple[float, bool]:
-    process, conn = start(raw_holder, block_bytes, arena_bytes, passes + 1)
+def run_raw(place: Placement, block_bytes: int, arena_bytes: int, passes: int) -> tuple[float, bool]:
+    process, conn = start(raw_holder, place, block_bytes, arena_bytes, passes + 1)
     port, expected = conn.recv()
     arena = arena_for(block_bytes, arena_bytes)
     view = raw_view(arena)
-    with socket.create_connection(("127.0.0.1", port)) as sock:
+    with socket.create_connection((place.holder_address, port)) as sock:
         elapsed = 0.0
         for number in range(passes + 1):
             began = time.perf_counter()
@@ -144,10 +177,10 @@ def run_raw(block_bytes: int, arena_bytes: int, passes: int) -> tuple[float, boo
     return elapsed, digest(arena) == expected
 
 
-def run_ours(scheme: str, block_bytes: int, arena_bytes: int, passes: int) -> tuple[float, bool]:
+def run_ours(scheme: str, place: Placement, block_bytes: int, arena_bytes: int, passes: int) -> tuple[float, bool]:
     from transfer import Fetcher
 
-    process, conn = start(transfer_holder, scheme, block_bytes, arena_bytes)
+    process, conn = start(transfer_holder, place, scheme, block_bytes, arena_bytes)
     url, expected = conn.recv()
     arena = arena_for(block_bytes, arena_bytes)
     keys = keys_for(arena.num_blocks)
@@ -169,14 +202,14 @@ def run_ours(scheme: str, block_bytes: int, arena_bytes: int, passes: int) -> tu
     return elapsed, complete and digest(arena) == expected
 
 
-def run_mooncake(block_bytes: int, arena_bytes: int, passes: int) -> tuple[float, bool]:
+def run_mooncake(place: Placement, block_bytes: int, arena_bytes: int, passes: int) -> tuple[float, bool]:
     from mooncake.engine import TransferEngine
 
-    process, conn = start(mooncake_target, block_bytes, arena_bytes)
+    process, conn = start(mooncake_target, place, block_bytes, arena_bytes)
     session, remote = conn.recv()
     arena = filled_arena(block_bytes, arena_bytes)
     engine = TransferEngine()
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert engine.initialize(place.receiver_address, "P2PHANDSHAKE", "tcp", "") == 0
     local = arena.tensor.data_ptr()
     assert engine.register_memory(local, arena_bytes) == 0
     offsets = range(0, arena_bytes, block_bytes)
@@ -203,13 +236,14 @@ def run_ucx(*args) -> tuple[float, bool]:
 RUNNERS = {"raw socket": run_raw, "prefixpool TCP": run_tcp, "prefixpool UCX": run_ucx, "Mooncake TCP": run_mooncake}
 
 
-def receiver(conn, mover: str, *args) -> None:
-    conn.send(RUNNERS[mover](*args))
+def receiver(conn, mover: str, place: Placement, *args) -> None:
+    enter(place.receiver_ns)
+    conn.send(RUNNERS[mover](place, *args))
 
 
-def measure(mover: str, *args) -> tuple[float, bool]:
+def measure(mover: str, place: Placement, *args) -> tuple[float, bool]:
     """Run one mover's receiver in a fresh process: no engine threads or UCX state carry over."""
-    process, conn = start(receiver, mover, *args)
+    process, conn = start(receiver, mover, place, *args)
     result = conn.recv()
     process.join()
     return result
@@ -221,13 +255,25 @@ def main() -> None:
     parser.add_argument("--arena-mib", type=int, default=256, help="arena size on each side")
     parser.add_argument("--movers", default=",".join(MOVERS), help="comma-separated subset of the columns")
     parser.add_argument("--blocks", default=",".join(BLOCK_SIZES), help="comma-separated subset of the rows")
+    parser.add_argument("--hosts", action="store_true", help="holder and receiver in two network namespaces (root)")
     args = parser.parse_args()
+    if not args.hosts:
+        return table(args, LOOPBACK, "loopback")
+    from scripts.multihost import Hosts
+
+    os.environ["UCX_NET_DEVICES"] = "eth0"  # the children inherit it: the namespaces' veth, not lo
+    with Hosts(2) as hosts:
+        place = Placement(hosts[0].address, hosts[0].name, hosts[1].address, hosts[1].name)
+        table(args, place, f"across two network namespaces on a veth bridge ({hosts[0].address} -> {hosts[1].address})")
+
+
+def table(args: argparse.Namespace, place: Placement, where: str) -> None:
     movers = [m for m in MOVERS if m in args.movers.split(",")]
     arena_bytes = args.arena_mib << 20
     passes = max(1, args.total_mib // args.arena_mib)
     moved = passes * arena_bytes
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"loopback, {moved >> 20} MiB timed per row ({passes} passes over a {args.arena_mib} MiB arena), GB/s")
+    print(f"{where}, {moved >> 20} MiB timed per row ({passes} passes over a {args.arena_mib} MiB arena), GB/s")
     print(f"{os.cpu_count()} CPUs, load average at start {load}\n")
     print("| block | " + " | ".join(movers) + " | best ours / raw | best ours / Mooncake | verified |")
     print("|---" * (len(movers) + 4) + "|")
@@ -236,7 +282,7 @@ def main() -> None:
             continue
         rates, verified = {}, True
         for mover in movers:
-            elapsed, ok = measure(mover, block_bytes, arena_bytes, passes)
+            elapsed, ok = measure(mover, place, block_bytes, arena_bytes, passes)
             rates[mover], verified = moved / elapsed / 1e9, verified and ok
         best = max(rates.get("prefixpool TCP", 0.0), rates.get("prefixpool UCX", 0.0))
         cells = " | ".join(f"{rates[m]:.2f}" for m in movers)
