@@ -24,7 +24,7 @@ from router.inflight import InflightTracker
 from router.metrics import RouterMetrics
 from router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_tokens
 from router.cost_model import CostModel
-from router.index import DEVICE
+from store.tier_names import DEVICE
 from router.policy import NodeLoad, Plan, RouteRequest, policies
 from router.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, Token
 from router.worker_client import WorkerClient, WorkerUnreachable
