@@ -42,6 +42,7 @@ import xxhash  # noqa: E402
 from store.arena import ArenaShape, KVArena  # noqa: E402
 from store.keys import Namespace, chain_ids  # noqa: E402
 from store.pool import BlockPool  # noqa: E402
+from scripts.native_logs import send_native_logs_to  # noqa: E402
 
 BLOCK_SIZES = {"256 KiB": 256 << 10, "2 MiB": 2 << 20, "16 MiB": 16 << 20}
 MOVERS = ("raw socket", "prefixpool TCP", "prefixpool UCX", "Mooncake TCP")
@@ -255,8 +256,10 @@ def main() -> None:
     parser.add_argument("--arena-mib", type=int, default=256, help="arena size on each side")
     parser.add_argument("--movers", default=",".join(MOVERS), help="comma-separated subset of the columns")
     parser.add_argument("--blocks", default=",".join(BLOCK_SIZES), help="comma-separated subset of the rows")
+    parser.add_argument("--log-file", default=None, help="where Mooncake's and UCX's logs go (default: a temp file)")
     parser.add_argument("--hosts", action="store_true", help="holder and receiver in two network namespaces (root)")
     args = parser.parse_args()
+    send_native_logs_to(args.log_file)
     if not args.hosts:
         return table(args, LOOPBACK, "loopback")
     from scripts.multihost import Hosts
