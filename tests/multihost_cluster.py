@@ -13,9 +13,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import msgspec
+
 from cluster.deploy.etcd_server import find_binary
 from cluster.deploy.processes import Child, python_argv
 from router.contract.tokenizer import ByteTokenizer
+from router.contract.worker_api import Done, FetchPlan, GenerateRequest, SamplingParams, Token, decode_event, encode
 
 LONG_S = 120.0
 SHARED = "You are a careful assistant. Answer in one short sentence, using plain words only. " * 4
@@ -91,18 +94,19 @@ def block_count(etcd: str, node_id: str, cluster: str = "default") -> int:
 
 
 def generate(worker_url: str, prompt: str, salt: str, fetch: dict | None = None, max_tokens: int = 8) -> tuple[list[int], dict]:
-    """POST a worker's /generate (what the router sends); returns (tokens, usage)."""
-    body = {"request_id": f"t-{time.monotonic_ns()}", "tokens": ByteTokenizer().encode(prompt),
-            "max_tokens": max_tokens, "cache_salt": salt, "fetch": fetch}
-    request = urllib.request.Request(f"{worker_url}/generate", data=json.dumps(body).encode(),
+    """POST a worker's /generate, built with the wire contract's own types (what the router sends)."""
+    body = GenerateRequest(request_id=f"t-{time.monotonic_ns()}", tokens=ByteTokenizer().encode(prompt),
+                           sampling=SamplingParams(max_tokens=max_tokens), cache_salt=salt,
+                           fetch=FetchPlan(**fetch) if fetch else None)
+    request = urllib.request.Request(f"{worker_url}/generate", data=encode(body),
                                      headers={"Content-Type": "application/json"})
     tokens, done = [], None
     with urllib.request.urlopen(request, timeout=LONG_S) as reply:
         for line in reply:
-            event = json.loads(line)
-            if event["type"] == "token":
-                tokens.append(event["token"])
+            event = decode_event(line)
+            if isinstance(event, Token):
+                tokens.append(event.token)
             else:
                 done = event
-    assert done is not None and done["type"] == "done", done
-    return tokens, done["usage"]
+    assert isinstance(done, Done), done
+    return tokens, msgspec.structs.asdict(done.usage)
