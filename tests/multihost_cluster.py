@@ -34,7 +34,8 @@ def start_router(hosts, host, etcd: str, log_dir: Path, *extra: str) -> Child:
 
 
 def start_worker(hosts, host, etcd: str, name: str, log_dir: Path, *extra: str) -> Child:
-    argv = python_argv("worker", "--etcd-endpoints", etcd, "--node-id", name, "--num-blocks", "256", *extra)
+    argv = python_argv("worker", "--etcd-endpoints", etcd, "--node-id", name, "--num-blocks", "256",
+                       "--fetch-timeout-s", "60", *extra)  # generous: first UCX use loads ucxx inside the fetch
     return hosts.spawn(host, name, argv, log_dir)
 
 

@@ -93,7 +93,8 @@ class Scatter:
     Reads never go past the last buffer, so the bytes after it (the next
     message on a reused connection) stay in the socket. A waiting receive
     wakes at WAKE_BYTES (or all it still needs), or when the peer closes:
-    bytes under that threshold from a peer that stalls wait in the kernel.
+    bytes under that threshold from a peer that stalls wait in the kernel
+    until `receive_now()` takes them (a caller whose deadline passed).
     `close()` restores the socket's wake-up threshold; call it before
     anything else reads.
     """
@@ -129,6 +130,15 @@ class Scatter:
         if received == 0:
             raise PeerClosed("peer closed the connection mid-stream")
         return self._complete(received)
+
+    def receive_now(self) -> list[memoryview]:
+        """Receive what already sits in the kernel, without waiting; [] if nothing (or the end)."""
+        window = self._window()
+        try:
+            received = self.sock.recvmsg_into(window, 0, socket.MSG_DONTWAIT)[0] if window else 0
+        except (BlockingIOError, ConnectionError):
+            return []
+        return self._complete(received) if received else []
 
     def _complete(self, received: int) -> list[memoryview]:
         pending, done = self._pending, []

@@ -20,6 +20,7 @@ still be in flight on it. Knows nothing of UCX.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from typing import Iterator
@@ -169,6 +170,26 @@ def _record_buffers(sink: BlockSink, num_blocks: int) -> Iterator[memoryview]:
         yield sink.destination(index)
 
 
+class _Records:
+    """Alternating header / payload buffers of the answer, checked and handed to the sink in order."""
+
+    def __init__(self, sink: BlockSink) -> None:
+        self.sink, self.index, self.header = sink, 0, None
+
+    def consume(self, buffers: list[memoryview]) -> bool:
+        """False once the sink rejects a header or a block (the rest of the answer is dropped)."""
+        for buffer in buffers:
+            if self.header is None:
+                self.header = block_header(buffer)
+                if not self.sink.check_header(self.index, self.header):
+                    return False
+            elif not self.sink.accept(self.index, self.header):
+                return False
+            else:
+                self.index, self.header = self.index + 1, None
+        return True
+
+
 async def _receive(sock: socket.socket, response: FetchResponse, sink: BlockSink) -> bool:
     """Receive each block into its destination; True if the whole answer was consumed.
 
@@ -178,24 +199,24 @@ async def _receive(sock: socket.socket, response: FetchResponse, sink: BlockSink
     """
     num_blocks = sink.expect(response.num_blocks, response.block_bytes)
     scatter = Scatter(sock, _record_buffers(sink, num_blocks))
-    index, header = 0, None
+    records = _Records(sink)
     try:
-        while index < num_blocks:
-            for buffer in await scatter.receive():
-                if header is None:
-                    header = block_header(buffer)
-                    if not sink.check_header(index, header):
-                        return False
-                elif not sink.accept(index, header):
-                    return False
-                else:
-                    index, header = index + 1, None
+        while records.index < num_blocks:
+            if not records.consume(await scatter.receive()):
+                return False
     except ProtocolError:
         sink.reject()
         return False
     except ConnectionError as err:
         log.info("transfer peer closed mid-stream after %d blocks: %s", len(sink.committed), err)
         return False
+    except asyncio.CancelledError:
+        # The deadline passed while the peer stalled (a cut link): whole blocks already in the
+        # kernel, under the wake-up threshold, are still verified and kept.
+        with contextlib.suppress(ProtocolError):
+            while records.index < num_blocks and (ready := scatter.receive_now()) and records.consume(ready):
+                pass
+        raise
     finally:
         scatter.close()
     return num_blocks == response.num_blocks
