@@ -26,6 +26,7 @@ from router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_
 from router.cost_model import CostModel
 from router.index import DEVICE
 from router.policy import NodeLoad, Plan, RouteRequest, policies
+from router.contract.chat_template import ChatTemplateError
 from router.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, Token
 from router.worker_client import WorkerClient, WorkerUnreachable
 from store.keys import BlockKey, Namespace, chain
@@ -131,7 +132,10 @@ class Router:
     def _tokens_of(self, body: CompletionBody | ChatBody | RouteBody) -> list[int]:
         messages = getattr(body, "messages", None)
         if messages is not None:
-            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
+            try:
+                text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
+            except ChatTemplateError as err:
+                raise InvalidRequest(str(err), param="messages") from err
             tokens = self.tokenizer.encode(text)
         elif isinstance(body.prompt, str):
             tokens = self.tokenizer.encode(body.prompt)
