@@ -23,7 +23,7 @@ from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
 from cluster.meta.mirror import Mirror
 from cluster.engine.model_config import torch_dtype
-from cluster.engine.model_source import cache_namespace, model_config, tokenizer_for
+from cluster.engine.model_source import MODEL_ERRORS, cache_namespace, model_config, tokenizer_for
 from cluster.deploy.processes import announce_ready
 from cluster.deploy.router_settings import RouterSettings
 from cluster.deploy.settings import add_flags, from_args
@@ -41,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+<<<<<<< HEAD
     settings = from_args(RouterSettings, args)
     try:
         host = bind_host(settings.host, settings.etcd_endpoints)
@@ -49,6 +50,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefixpool router: {err}", file=sys.stderr)
         return 2
     asyncio.run(serve(settings, host, url_host))
+=======
+    try:
+        asyncio.run(serve(from_args(RouterSettings, args)))
+    except MODEL_ERRORS as err:  # a checkpoint we cannot serve: one line, not a traceback
+        raise SystemExit(f"prefixpool router: {err}") from None
+>>>>>>> main
     return 0
 
 

@@ -30,7 +30,7 @@ from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
 from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
 from cluster.engine.model_config import arena_shape_for, resolve_device, torch_dtype
-from cluster.engine.model_source import build_model, cache_namespace, tokenizer_for
+from cluster.engine.model_source import MODEL_ERRORS, build_model, cache_namespace, tokenizer_for
 from cluster.node.tiers import DeviceOnly, NodeTiers
 from cluster.deploy.processes import announce_ready
 from cluster.meta.publisher import Publisher
@@ -68,7 +68,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # UCX (serving, or fetching from a UCX peer) reads this once; it must name the interface peers reach.
     os.environ.setdefault("UCX_NET_DEVICES", interface_of(advertise if host in WILDCARDS else host) or "all")
-    asyncio.run(serve(settings, host, advertise))
+    try:
+        asyncio.run(serve(settings, host, advertise))
+    except MODEL_ERRORS as err:  # a checkpoint we cannot serve: one line, not a traceback
+        raise SystemExit(f"prefixpool worker: {err}") from None
     return 0
 
 
