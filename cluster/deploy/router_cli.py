@@ -41,7 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-<<<<<<< HEAD
     settings = from_args(RouterSettings, args)
     try:
         host = bind_host(settings.host, settings.etcd_endpoints)
@@ -49,13 +48,10 @@ def run(args: argparse.Namespace) -> int:
     except AddressError as err:
         print(f"prefixpool router: {err}", file=sys.stderr)
         return 2
-    asyncio.run(serve(settings, host, url_host))
-=======
     try:
-        asyncio.run(serve(from_args(RouterSettings, args)))
+        asyncio.run(serve(settings, host, url_host))
     except MODEL_ERRORS as err:  # a checkpoint we cannot serve: one line, not a traceback
         raise SystemExit(f"prefixpool router: {err}") from None
->>>>>>> main
     return 0
 
 
