@@ -49,8 +49,14 @@ class _StaticView:
     def lag_s(self) -> float:
         return 0.0
 
-    def tier_of(self, node_id, key):
-        return self.index.tier_of(node_id, key)
+    def fleet_share(self, worker, exclude):
+        return 0, 0
+
+    def report_revision(self, node_id):
+        return 0
+
+    def lower_tiers(self, node_id, keys):
+        return self.index.lower_tiers(node_id, keys)
 
 
 def decisions_per_second(num_tokens: int, num_workers: int, seconds: float = 3.0) -> tuple[float, float]:
