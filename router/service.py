@@ -191,8 +191,11 @@ class Router:
 
     def explain(self, prepared: Prepared) -> dict:
         plan, matches = self.decide(prepared)
+        loads = {n: self._load(n, w) for n, w in self.live_workers().items()}
         return {"num_prompt_tokens": len(prepared.tokens), "num_blocks": len(prepared.keys),
                 "policy": self.config.policy, "matches": matches, "lower_tiers": self._lower_tiers(prepared.keys, matches),
+                "loads": {n: {"requests": load.num_running, "queued_prefill_tokens": load.queued_prefill_tokens}
+                          for n, load in loads.items()},
                 **plan.explain()}
 
     # -- generation ----------------------------------------------------------------------------

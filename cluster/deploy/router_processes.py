@@ -22,7 +22,7 @@ import tempfile
 import threading
 from typing import Callable
 
-from cluster.deploy.processes import announce_ready
+from cluster.deploy.processes import announce_ready, die_with_parent
 from cluster.deploy.router_settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ STOP_TIMEOUT_S = 15.0
 
 
 def _child(settings: RouterSettings, ready: multiprocessing.Queue, serve_one: Callable) -> None:
+    die_with_parent()  # a parent killed with SIGKILL takes its router processes along
     serve_one(settings, on_ready=ready.put)
 
 
