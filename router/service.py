@@ -69,7 +69,7 @@ class Prepared:
     chat: bool
     stream: bool
     include_usage: bool
-    tokens: list[int]
+    ids: np.ndarray  # int32 token ids; a list only when a worker request is built
     keys: list[BlockKey]  # hashed once, in prepare
     max_tokens: int
     temperature: float
@@ -133,7 +133,7 @@ class Router:
         return Prepared(
             request_id=f"{'chatcmpl' if isinstance(body, ChatBody) else 'cmpl'}-{uuid.uuid4().hex}",
             model=self.model, chat=isinstance(body, ChatBody), stream=getattr(body, "stream", False),
-            include_usage=bool(options and options.include_usage), tokens=ids.tolist(), keys=keys,
+            include_usage=bool(options and options.include_usage), ids=ids, keys=keys,
             max_tokens=max_tokens, temperature=getattr(body, "temperature", 0.0), top_p=getattr(body, "top_p", 1.0),
             seed=getattr(body, "seed", None), cache_salt=body.cache_salt, ignore_eos=getattr(body, "ignore_eos", False),
         )
@@ -166,7 +166,7 @@ class Router:
         keys = prepared.keys
         matches = {n: m for n, m in self.view.longest_prefix(keys).items() if n in workers}
         loads = {n: self._load(n, w) for n, w in workers.items()}
-        request = RouteRequest(len(prepared.tokens), len(keys), self._lower_tiers(keys, matches))
+        request = RouteRequest(len(prepared.ids), len(keys), self._lower_tiers(keys, matches))
         return self._choose(request, matches, loads, self.costs, self.rng), matches
 
     def _lower_tiers(self, keys: list[BlockKey], matches: dict[str, int]) -> dict[str, dict[str, int]]:
@@ -192,7 +192,7 @@ class Router:
     def explain(self, prepared: Prepared) -> dict:
         plan, matches = self.decide(prepared)
         loads = {n: self._load(n, w) for n, w in self.live_workers().items()}
-        return {"num_prompt_tokens": len(prepared.tokens), "num_blocks": len(prepared.keys),
+        return {"num_prompt_tokens": len(prepared.ids), "num_blocks": len(prepared.keys),
                 "policy": self.config.policy, "matches": matches, "lower_tiers": self._lower_tiers(prepared.keys, matches),
                 "loads": {n: {"requests": load.num_running, "queued_prefill_tokens": load.queued_prefill_tokens}
                           for n, load in loads.items()},
@@ -240,7 +240,7 @@ class Router:
             if peer is not None:
                 fetch = FetchPlan(plan.fetch_from, peer.transfer_url, plan.fetch_start, plan.fetch_end)
         return GenerateRequest(
-            request_id=prepared.request_id, tokens=prepared.tokens, max_tokens=prepared.max_tokens,
+            request_id=prepared.request_id, tokens=prepared.ids.tolist(), max_tokens=prepared.max_tokens,
             temperature=prepared.temperature, top_p=prepared.top_p, seed=prepared.seed,
             cache_salt=prepared.cache_salt, ignore_eos=prepared.ignore_eos, fetch=fetch,
         )

@@ -79,7 +79,7 @@ def test_prepare_hashes_once_into_the_keys_every_decision_uses():
     for body in (CompletionBody(model="tiny", prompt=text, cache_salt="t"),
                  CompletionBody(model="tiny", prompt=list(text.encode()), cache_salt="t")):
         prepared = router.prepare(body)
-        assert prepared.tokens == list(text.encode())
+        assert prepared.ids.tolist() == list(text.encode())
         assert prepared.keys == chain(list(text.encode()), Namespace("tiny", block_size=4, cache_salt="t"))
     view.index.add("w", prepared.keys[:3])
     plan, matches = router.decide(prepared)
