@@ -14,8 +14,7 @@ from itertools import takewhile
 from typing import Iterable, Sequence
 
 from store.keys import BlockKey
-
-DEVICE = "device"
+from store.tier_names import DEVICE
 
 
 class BlockIndex:

@@ -14,7 +14,7 @@ from cluster.engine.checkpoint import random_model
 from cluster.engine.model_config import preset
 from cluster.engine.sampling import SamplingParams
 from cluster.node.worker import Worker
-from router.contract.worker_api import Done, FetchPlan, GenerateRequest, Token
+from router.contract.worker_api import FetchPlan, GenerateRequest, Token
 from transfer.errors import TransferError
 from tests.engine_support import assert_clean, make_engine, tokens
 
@@ -88,18 +88,17 @@ def test_worker_queues_a_fetching_request_before_its_transfer_ends(model):
         worker.start()
         try:
             prompt = tokens(24, 7)
-            request = GenerateRequest(request_id="f", tokens=prompt, max_tokens=3, ignore_eos=True,
+            request = GenerateRequest(request_id="f", tokens=prompt, sampling=GREEDY,
                                       fetch=FetchPlan("peer", "tcp://127.0.0.1:1", 0, 6))
             fetching = asyncio.ensure_future(_collect(worker.generate(request)))
             await asyncio.wait_for(fetcher.started.wait(), 30)
             assert engine.num_queued == 1  # queued while its blocks are still on the way
-            other = await _collect(worker.generate(GenerateRequest(request_id="o", tokens=tokens(10, 8), max_tokens=3,
-                                                                   ignore_eos=True)))
+            other = await _collect(worker.generate(GenerateRequest(request_id="o", tokens=tokens(10, 8),
+                                                                   sampling=GREEDY)))
             assert len(other) == 3 and not fetching.done()  # a later request went past the held one
             fetcher.fail.set()  # the transfer fails: the held request recomputes
             got = await asyncio.wait_for(fetching, 60)
-            oracle = await _collect(worker.generate(GenerateRequest(request_id="c", tokens=prompt, max_tokens=3,
-                                                                    ignore_eos=True)))
+            oracle = await _collect(worker.generate(GenerateRequest(request_id="c", tokens=prompt, sampling=GREEDY)))
             assert got == oracle and len(got) == 3
         finally:
             await worker.stop()

@@ -28,7 +28,6 @@ from typing import AsyncIterator, Protocol
 
 from cluster.engine.batch import Batch, TokenEvent
 from cluster.engine.scheduler import Engine
-from cluster.engine.sampling import SamplingParams
 from cluster.node.tiers import DeviceOnly, NodeTiers, by_tier
 from router.contract.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage, WorkerLoad
 from store.keys import BlockKey, Namespace, chain
@@ -114,9 +113,7 @@ class Worker:
         if not overlap:
             self._prepare_blocks(keys, stream)
         try:
-            params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
-                                    top_p=request.top_p, seed=request.seed, ignore_eos=request.ignore_eos)
-            request_id = self.engine.submit(request.tokens, params, keys=keys, held=overlap)
+            request_id = self.engine.submit(request.tokens, request.sampling, keys=keys, held=overlap)
         except ValueError as err:  # bad sampling values, or a request that can never fit this worker
             self.pool.free(stream.pinned)
             yield Failed(str(err), 400)
