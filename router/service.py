@@ -75,6 +75,11 @@ class Prepared:
     sampling: SamplingParams
     cache_salt: str
 
+    @property
+    def tokens(self) -> list[int]:
+        """The prompt's ids as a list (what a worker request carries); made on each call."""
+        return self.ids.tolist()
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -241,7 +246,7 @@ class Router:
             if peer is not None:
                 fetch = FetchPlan(plan.fetch_from, peer.transfer_url, plan.fetch_start, plan.fetch_end)
         return GenerateRequest(
-            request_id=prepared.request_id, tokens=prepared.ids.tolist(), sampling=prepared.sampling,
+            request_id=prepared.request_id, tokens=prepared.tokens, sampling=prepared.sampling,
             cache_salt=prepared.cache_salt, fetch=fetch,
         )
 
