@@ -20,6 +20,7 @@ import queue
 import signal
 import tempfile
 import threading
+import time
 from typing import Callable
 
 from cluster.deploy.processes import announce_ready, die_with_parent
@@ -71,14 +72,14 @@ def run_processes(settings: RouterSettings, serve_one: Callable) -> int:
 
 
 def _wait_ready(children: list, ready: multiprocessing.Queue, stop: threading.Event) -> str | None:
+    """The URL once every child announced it; None if one exited, time ran out or we were stopped."""
     url, waiting = None, len(children)
-    deadline = START_TIMEOUT_S / 0.5
-    while waiting and deadline > 0 and not stop.is_set():
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while waiting and time.monotonic() < deadline and not stop.is_set():
         try:
             url = ready.get(timeout=0.5)
             waiting -= 1
         except queue.Empty:
-            deadline -= 1
             if any(child.exitcode is not None for child in children):
                 log.error("a router process exited while starting")
                 return None
