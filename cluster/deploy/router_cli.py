@@ -30,7 +30,7 @@ from cluster.meta.layout import Layout
 from cluster.meta.load_publisher import LoadPublisher, LoadPublisherConfig
 from cluster.meta.mirror import Mirror
 from cluster.engine.model_config import torch_dtype
-from cluster.engine.model_source import cache_namespace, model_config, tokenizer_for
+from cluster.engine.model_source import MODEL_ERRORS, cache_namespace, model_config, tokenizer_for
 from cluster.deploy.processes import announce_ready
 from cluster.deploy.router_processes import run_processes
 from cluster.deploy.router_settings import RouterSettings
@@ -51,9 +51,13 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = from_args(RouterSettings, args)
     settings = dataclasses.replace(settings, router_id=settings.router_id or f"{socket.gethostname()}-{os.getpid()}")
-    if settings.processes > 1:
-        return run_processes(settings, serve_one)
-    serve_one(settings)
+    try:
+        model_config(settings.model, settings.model_path)  # refused here, once, before any process starts
+        if settings.processes > 1:
+            return run_processes(settings, serve_one)
+        serve_one(settings)
+    except MODEL_ERRORS as err:  # a checkpoint we cannot serve: one line, not a traceback
+        raise SystemExit(f"prefixpool router: {err}") from None
     return 0
 
 
