@@ -8,9 +8,9 @@ policies or how workers are reached.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 
+import msgspec
 from aiohttp import web
 
 from router import openai_format as fmt
@@ -26,8 +26,13 @@ ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router", Router)
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
+def json_response(payload: object, status: int = 200) -> web.Response:
+    """JSON encoded by msgspec (C), not the json module."""
+    return web.Response(body=msgspec.json.encode(payload), status=status, content_type="application/json")
+
+
 def error_response(err: APIError) -> web.Response:
-    return web.json_response(err.body(), status=err.status)
+    return json_response(err.body(), status=err.status)
 
 
 @web.middleware
@@ -51,7 +56,7 @@ async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
         return error_response(api)
     except Exception:  # a bug: still answer in the API's error shape, and log it
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return web.json_response(InternalError("internal error; see the router log").body(), status=500)
+        return json_response(InternalError("internal error; see the router log").body(), status=500)
 
 
 def _router(request: web.Request) -> Router:
@@ -75,17 +80,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def route(request: web.Request) -> web.Response:
     router = _router(request)
     prepared = router.prepare(decode(await request.read(), RouteBody))
-    return web.json_response(router.explain(prepared))
+    return json_response(router.explain(prepared))
 
 
 async def pin(request: web.Request) -> web.Response:
     router = _router(request)
-    return web.json_response(await forward_pin(router, decode_pin(await request.read()), unpin=False))
+    return json_response(await forward_pin(router, decode_pin(await request.read()), unpin=False))
 
 
 async def unpin(request: web.Request) -> web.Response:
     router = _router(request)
-    return web.json_response(await forward_pin(router, decode_pin(await request.read()), unpin=True))
+    return json_response(await forward_pin(router, decode_pin(await request.read()), unpin=True))
 
 
 async def _serve(request: web.Request, router: Router, prepared: Prepared) -> web.StreamResponse:
@@ -98,7 +103,7 @@ async def _serve(request: web.Request, router: Router, prepared: Prepared) -> we
                 detok.tokens.append(event.token)
             elif isinstance(event, Done):
                 shape = fmt.chat if prepared.chat else fmt.completion
-                return web.json_response(shape(prepared.request_id, prepared.model, detok.text, event.finish_reason,
+                return json_response(shape(prepared.request_id, prepared.model, detok.text, event.finish_reason,
                                                event.usage))
             elif isinstance(event, Failed):
                 raise router.failure(event)
@@ -111,25 +116,22 @@ async def _serve_stream(request: web.Request, router: Router, prepared: Prepared
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         detok = Detokenizer(router.tokenizer.decode)
-
-        async def send(payload: dict) -> None:
-            await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
+        frames = fmt.StreamFrames(prepared.request_id, prepared.model, prepared.chat)
         if prepared.chat:
-            await send(fmt.chat_chunk(prepared.request_id, prepared.model, None, None, first=True))
+            await response.write(frames.first())
         event = first
         while True:
             if isinstance(event, Token):
                 text = detok.push(event.token)
                 if text:
-                    await send(_chunk(prepared, text, None))
+                    await response.write(frames.text(text))
             elif isinstance(event, Done):
-                await send(_chunk(prepared, detok.flush(), event.finish_reason))
+                await response.write(frames.last(detok.flush(), event.finish_reason))
                 if prepared.include_usage:
-                    await send(fmt.usage_chunk(prepared.request_id, prepared.model, prepared.chat, event.usage))
+                    await response.write(frames.usage(event.usage))
                 break
             elif isinstance(event, Failed):
-                await send(fmt.error_chunk(event.message, event.status))
+                await response.write(frames.frame(fmt.error_chunk(event.message, event.status)))
                 break
             event = await anext(events, Failed("the worker ended the stream without finishing", 502))
         await response.write(b"data: [DONE]\n\n")
@@ -137,27 +139,21 @@ async def _serve_stream(request: web.Request, router: Router, prepared: Prepared
         return response
 
 
-def _chunk(prepared: Prepared, text: str, finish_reason: str | None) -> dict:
-    if prepared.chat:
-        return fmt.chat_chunk(prepared.request_id, prepared.model, text, finish_reason)
-    return fmt.completion_chunk(prepared.request_id, prepared.model, text, finish_reason)
-
-
 async def models(request: web.Request) -> web.Response:
     router = _router(request)
-    return web.json_response({"object": "list", "data": [
+    return json_response({"object": "list", "data": [
         {"id": router.model, "object": "model", "created": 0, "owned_by": "prefixpool"}]})
 
 
 async def healthz(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
-    return web.json_response({"status": "ok", "workers": len(router.live_workers())})
+    return json_response({"status": "ok", "workers": len(router.live_workers())})
 
 
 async def readyz(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
     workers = len(router.live_workers())
-    return web.json_response({"ready": workers > 0, "workers": workers}, status=200 if workers else 503)
+    return json_response({"ready": workers > 0, "workers": workers}, status=200 if workers else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -5,14 +5,16 @@
     end(ticket)                               (finished, failed or cancelled)
 
 The router counts its own requests instead of polling workers, so a burst
-of arrivals sees the load it is creating. Knows nothing of HTTP or etcd.
+of arrivals sees the load it is creating. `on_change` wakes whoever publishes
+the snapshot to the other routers (router.fleet_load). Knows nothing of HTTP
+or etcd.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(slots=True)
@@ -20,7 +22,9 @@ class WorkerInflight:
     queued_prefill_tokens: int = 0
     num_queued: int = 0
     num_running: int = 0
-    changed_at: float = 0.0  # wall clock of our latest begin / end here: older worker reports are stale
+    # etcd revision of the put that published our latest change here (router.fleet_load); None while a
+    # change is not yet published. A worker's own load report is newer than our count only past it.
+    published_revision: int | None = 0
 
 
 @dataclass(slots=True)
@@ -35,6 +39,7 @@ class InflightTracker:
     _workers: dict[str, WorkerInflight] = field(default_factory=dict)
     _tickets: dict[int, _Ticket] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=itertools.count)
+    on_change: Callable[[], None] = lambda: None
 
     def begin(self, worker: str, prefill_tokens: int) -> int:
         ticket_id = next(self._ids)
@@ -42,7 +47,8 @@ class InflightTracker:
         load = self._workers.setdefault(worker, WorkerInflight())
         load.queued_prefill_tokens += prefill_tokens
         load.num_queued += 1
-        load.changed_at = time.time()
+        load.published_revision = None
+        self.on_change()
         return ticket_id
 
     def started(self, ticket_id: int) -> None:
@@ -54,19 +60,36 @@ class InflightTracker:
         load.queued_prefill_tokens -= ticket.prefill_tokens
         load.num_queued -= 1
         load.num_running += 1
+        load.published_revision = None
+        self.on_change()
 
     def end(self, ticket_id: int) -> None:
         ticket = self._tickets.pop(ticket_id)
         load = self._workers[ticket.worker]
-        load.changed_at = time.time()
         if ticket.started:
             load.num_running -= 1
         else:
             load.queued_prefill_tokens -= ticket.prefill_tokens
             load.num_queued -= 1
+        load.published_revision = None
+        self.on_change()
 
     def load_of(self, worker: str) -> WorkerInflight:
         return self._workers.get(worker, WorkerInflight())
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """worker -> (requests in flight, queued prefill tokens), idle workers left out."""
+        return {worker: self._entry(load) for worker, load in self._workers.items() if load.num_queued or load.num_running}
+
+    def published(self, snapshot: dict[str, tuple[int, int]], revision: int) -> None:
+        """`snapshot` went to etcd at `revision`: workers unchanged since it was taken are published."""
+        for worker, load in self._workers.items():
+            if load.published_revision is None and snapshot.get(worker, (0, 0)) == self._entry(load):
+                load.published_revision = revision
+
+    @staticmethod
+    def _entry(load: WorkerInflight) -> tuple[int, int]:
+        return load.num_queued + load.num_running, load.queued_prefill_tokens
 
     def check_integrity(self) -> None:
         expected: dict[str, WorkerInflight] = {}

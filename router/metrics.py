@@ -1,11 +1,17 @@
 """The router's Prometheus metrics, one registry per router (no process globals).
 
-Knows nothing of HTTP handlers; they call the `observe_*` methods.
+Under `--processes N` (PROMETHEUS_MULTIPROC_DIR set before prometheus_client
+is imported) every process writes its values to shared files and `render`
+reads all of them: counters and histograms add up, per-worker gauges are the
+sum over live processes, cluster-wide gauges the maximum. Knows nothing of
+HTTP handlers; they call the `observe_*` methods.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
@@ -23,11 +29,15 @@ class RouterMetrics:
         self.fetched_bytes = Counter("prefixpool_fetched_bytes", "KV bytes moved between workers", registry=r)
         self.hit_fraction = Histogram("prefixpool_hit_fraction", "Per-request fraction of prompt tokens not recomputed", buckets=FRACTION_BUCKETS, registry=r)
         self.retries = Counter("prefixpool_retries", "Requests retried on another worker", registry=r)
-        self.inflight = Gauge("prefixpool_worker_inflight", "Requests in flight per worker", ["worker"], registry=r)
-        self.queued_tokens = Gauge("prefixpool_worker_queued_prefill_tokens", "Prefill tokens queued per worker", ["worker"], registry=r)
-        self.workers = Gauge("prefixpool_workers", "Workers registered in etcd", registry=r)
-        self.index_keys = Gauge("prefixpool_index_keys", "Block keys in the router's index mirror", registry=r)
-        self.mirror_lag = Gauge("prefixpool_mirror_lag_seconds", "Seconds since the mirror last applied an etcd event", registry=r)
+        self.inflight = Gauge("prefixpool_worker_inflight", "Requests in flight per worker", ["worker"], registry=r,
+                              multiprocess_mode="livesum")
+        self.queued_tokens = Gauge("prefixpool_worker_queued_prefill_tokens", "Prefill tokens queued per worker",
+                                   ["worker"], registry=r, multiprocess_mode="livesum")
+        self.workers = Gauge("prefixpool_workers", "Workers registered in etcd", registry=r, multiprocess_mode="livemax")
+        self.index_keys = Gauge("prefixpool_index_keys", "Block keys in the router's index mirror", registry=r,
+                                multiprocess_mode="livemax")
+        self.mirror_lag = Gauge("prefixpool_mirror_lag_seconds", "Seconds since the mirror last applied an etcd event",
+                                registry=r, multiprocess_mode="livemax")
 
     def observe_usage(self, prompt_tokens: int, cached_tokens: int, fetched_tokens: int, fetched_bytes: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -38,4 +48,9 @@ class RouterMetrics:
             self.hit_fraction.observe(cached_tokens / prompt_tokens)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not shared_dir:
+            return generate_latest(self.registry)
+        everyone = CollectorRegistry()
+        multiprocess.MultiProcessCollector(everyone, path=shared_dir)
+        return generate_latest(everyone)

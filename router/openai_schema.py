@@ -96,10 +96,9 @@ def _param_of(message: str) -> str | None:
 
 def _check_prompt(body: CompletionBody | ChatBody | RouteBody) -> None:
     prompt = getattr(body, "prompt", None)
-    if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise InvalidRequest("prompt must be a string, a list of token ids, or a list of exactly one string",
-                                 param="prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and str in set(map(type, prompt)):  # C loops, not a genexpr
+        raise InvalidRequest("prompt must be a string, a list of token ids, or a list of exactly one string",
+                             param="prompt")
     if isinstance(body, RouteBody) and (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("give exactly one of `prompt` or `messages`", param="prompt")
     if prompt is not None and len(prompt) == 0:

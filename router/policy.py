@@ -86,27 +86,29 @@ def _cached_tokens(request: RouteRequest, blocks: int, costs: CostModel) -> int:
 
 def terms_for(worker: str, request: RouteRequest, matches: dict[str, int], loads: dict[str, NodeLoad],
               costs: CostModel, allow_fetch: bool) -> Terms:
-    """Cheapest way for `worker` to serve the request: its own prefix, or that plus a peer's longer one."""
+    """Cheapest way for `worker` to serve the request: its own prefix, or that plus a peer's longer one.
+
+    Both options are priced as plain floats; only the cheaper one becomes a Terms (this runs
+    once per worker per request).
+    """
     local = matches.get(worker, 0)
     load = loads[worker]
     queue_s = costs.queue_s(load.queued_prefill_tokens, load.num_running)
-    options = [_option(worker, local, None, 0, request, costs, queue_s)]
+    lower = request.lower_tier_blocks.get(worker)
+    read_s = sum(costs.tier_read_s(tier, blocks) for tier, blocks in lower.items()) if lower else 0.0
+    prefill_s = _prefill_s(request, local, costs)
     if allow_fetch:
-        peers = [(blocks, node) for node, blocks in matches.items() if node != worker and blocks > local]
-        if peers:
-            blocks, peer = max(peers)
-            options.append(_option(worker, local, peer, blocks - local, request, costs, queue_s))
-    return min(options, key=lambda t: t.ttft_s)
+        blocks, peer = max(((b, n) for n, b in matches.items() if n != worker and b > local), default=(0, None))
+        if peer is not None:
+            fetch_prefill_s, transfer_s = _prefill_s(request, blocks, costs), costs.transfer_s(blocks - local)
+            if fetch_prefill_s + transfer_s < prefill_s:
+                return Terms(worker, local, peer, blocks - local, queue_s, fetch_prefill_s, transfer_s, read_s)
+    return Terms(worker, local, None, 0, queue_s, prefill_s, 0.0, read_s)
 
 
-def _option(worker: str, local: int, peer: str | None, fetch_blocks: int, request: RouteRequest,
-            costs: CostModel, queue_s: float) -> Terms:
-    cached = _cached_tokens(request, local + fetch_blocks, costs)
-    prefill_s = costs.prefill_s(request.num_prompt_tokens - cached, cached)
-    transfer_s = costs.transfer_s(fetch_blocks) if fetch_blocks else 0.0
-    lower = request.lower_tier_blocks.get(worker, {})
-    read_s = sum(costs.tier_read_s(tier, blocks) for tier, blocks in lower.items())
-    return Terms(worker, local, peer, fetch_blocks, queue_s, prefill_s, transfer_s, read_s)
+def _prefill_s(request: RouteRequest, blocks: int, costs: CostModel) -> float:
+    cached = _cached_tokens(request, blocks, costs)
+    return costs.prefill_s(request.num_prompt_tokens - cached, cached)
 
 
 def plan_of(request: RouteRequest, chosen: Terms, candidates: tuple[Terms, ...], costs: CostModel) -> Plan:

@@ -1,9 +1,11 @@
 """The Router service: prepare a request, choose a worker, stream its answer, retry on failure.
 
-    prepare(body)  tokenize (chat template first), check model / context / salt
+    prepare(body)  tokenize (chat template first) straight into int32, check model /
+                   context / salt, hash the block keys: the only hash of the request
     explain(req)   keys -> index.longest_prefix -> policy.choose, with every term
     generate(req)  choose -> POST worker /generate -> events; a worker that fails
                    before streaming anything is excluded and the request retried
+                   (with the same keys: a retry re-decides, it does not re-hash)
 
 Knows nothing of HTTP servers or etcd: the cluster view (the etcd mirror, or a
 plain index in tests and the simulator) and the worker client are given to it.
@@ -12,6 +14,7 @@ plain index in tests and the simulator) and the worker client are given to it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -19,17 +22,18 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol, Sequence
 
+import numpy as np
+
 from router.errors import APIError, InvalidRequest, ModelNotFound, ServiceUnavailable, Unauthorized
 from router.inflight import InflightTracker
 from router.metrics import RouterMetrics
 from router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_tokens
 from router.cost_model import CostModel
-from store.tier_names import DEVICE
 from router.policy import NodeLoad, Plan, RouteRequest, policies
 from router.contract.chat_template import ChatTemplateError
 from router.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Token
 from router.worker_client import WorkerClient, WorkerUnreachable
-from store.keys import BlockKey, Namespace, chain
+from store.keys import TOKEN_DTYPE, BlockKey, Namespace, chain_from
 
 log = logging.getLogger(__name__)
 
@@ -38,21 +42,23 @@ class WorkerInfo(Protocol):
     node_id: str
     http_url: str
     transfer_url: str
-    num_queued: int  # as the worker last reported it (other routers' work included)
+    num_queued: int  # as the worker last reported it: work no router published (direct clients) included
     num_running: int
-    load_time: float  # when it sampled them (time.time())
 
 
 class ClusterView(Protocol):
     def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]: ...
-    def tier_of(self, node_id: str, key: BlockKey) -> str | None: ...
+    def lower_tiers(self, node_id: str, keys: Sequence[BlockKey]) -> dict[str, int]: ...
     def workers(self) -> dict[str, WorkerInfo]: ...
+    def fleet_share(self, worker: str, exclude: str) -> tuple[int, int]: ...
+    def report_revision(self, node_id: str) -> int: ...
     def num_keys(self) -> int: ...
     def lag_s(self) -> float: ...
 
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
+    def encode_array(self, text: str) -> np.ndarray: ...
     def decode(self, tokens: list[int]) -> str: ...
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
 
@@ -64,9 +70,15 @@ class Prepared:
     chat: bool
     stream: bool
     include_usage: bool
-    tokens: list[int]
+    ids: np.ndarray  # int32 token ids; a list only when a worker request is built
+    keys: list[BlockKey]  # hashed once, in prepare
     sampling: SamplingParams
     cache_salt: str
+
+    @property
+    def tokens(self) -> list[int]:
+        """The prompt's ids as a list (what a worker request carries); made on each call."""
+        return self.ids.tolist()
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,7 @@ class RouterConfig:
     max_context: int
     vocab_size: int
     policy: str = "cost"
+    router_id: str = "router"  # names this router's load entry among the fleet's (router.fleet_load)
     api_key: str = ""
     max_retries: int = 2
     default_max_tokens: int = 64
@@ -97,6 +110,7 @@ class Router:
         self.inflight = InflightTracker()
         self.rng = rng or random.Random(0)
         self._choose: Callable[..., Plan] = available[config.policy]
+        self._root = functools.lru_cache(maxsize=4096)(lambda salt: config.namespace.with_salt(salt).root())
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -108,46 +122,45 @@ class Router:
         if body.model != self.model:
             raise ModelNotFound(f"model {body.model!r} does not exist; this router serves {self.model!r}",
                                 param="model", code="model_not_found")
-        tokens = self._tokens_of(body)
+        ids = self._ids_of(body)
         max_tokens = requested_tokens(body, self.config.default_max_tokens)
-        if len(tokens) + max_tokens > self.config.max_context:
+        if len(ids) + max_tokens > self.config.max_context:
             raise InvalidRequest(
                 f"this model's maximum context length is {self.config.max_context} tokens; the prompt has "
-                f"{len(tokens)} and max_tokens asks for {max_tokens}", param="max_tokens", code="context_length_exceeded")
-        if max(tokens) >= self.config.vocab_size:
-            raise InvalidRequest(f"token id {max(tokens)} is outside the vocabulary ({self.config.vocab_size})", param="prompt")
+                f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens", code="context_length_exceeded")
+        if (top := int(ids.max())) >= self.config.vocab_size:
+            raise InvalidRequest(f"token id {top} is outside the vocabulary ({self.config.vocab_size})", param="prompt")
+        keys = chain_from(self._root(body.cache_salt), ids.tobytes(), self.config.namespace.block_size)
         options = getattr(body, "stream_options", None)
         return Prepared(
             request_id=f"{'chatcmpl' if isinstance(body, ChatBody) else 'cmpl'}-{uuid.uuid4().hex}",
             model=self.model, chat=isinstance(body, ChatBody), stream=getattr(body, "stream", False),
-            include_usage=bool(options and options.include_usage), tokens=tokens, cache_salt=body.cache_salt,
+            include_usage=bool(options and options.include_usage), ids=ids, keys=keys, cache_salt=body.cache_salt,
             sampling=SamplingParams(max_tokens=max_tokens, temperature=getattr(body, "temperature", 0.0),
                                     top_p=getattr(body, "top_p", 1.0), seed=getattr(body, "seed", None),
                                     ignore_eos=getattr(body, "ignore_eos", False)),
         )
 
-    def _tokens_of(self, body: CompletionBody | ChatBody | RouteBody) -> list[int]:
+    def _ids_of(self, body: CompletionBody | ChatBody | RouteBody) -> np.ndarray:
+        """The prompt as little-endian int32 ids: what the block hash reads, made once."""
         messages = getattr(body, "messages", None)
         if messages is not None:
             try:
                 text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
             except ChatTemplateError as err:
                 raise InvalidRequest(str(err), param="messages") from err
-            tokens = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode_array(text)
         elif isinstance(body.prompt, str):
-            tokens = self.tokenizer.encode(body.prompt)
+            ids = self.tokenizer.encode_array(body.prompt)
         elif body.prompt and isinstance(body.prompt[0], str):
-            tokens = self.tokenizer.encode(body.prompt[0])
+            ids = self.tokenizer.encode_array(body.prompt[0])
         else:
-            tokens = list(body.prompt)
-        if not tokens:
+            ids = np.array(body.prompt, dtype=TOKEN_DTYPE)  # ids are checked to fit int32 when decoded
+        if not len(ids):
             raise InvalidRequest("the prompt encodes to no tokens", param="prompt")
-        return tokens
+        return ids
 
     # -- routing -------------------------------------------------------------------------------
-
-    def keys_of(self, prepared: Prepared) -> list[BlockKey]:
-        return chain(prepared.tokens, self.config.namespace.with_salt(prepared.cache_salt))
 
     def live_workers(self) -> dict[str, WorkerInfo]:
         return self.view.workers()
@@ -156,39 +169,39 @@ class Router:
         workers = {n: w for n, w in self.live_workers().items() if n not in exclude}
         if not workers:
             raise ServiceUnavailable("no live worker can take this request; retry later", code="no_worker")
-        keys = self.keys_of(prepared)
+        keys = prepared.keys
         matches = {n: m for n, m in self.view.longest_prefix(keys).items() if n in workers}
         loads = {n: self._load(n, w) for n, w in workers.items()}
-        request = RouteRequest(len(prepared.tokens), len(keys), self._lower_tiers(keys, matches))
+        request = RouteRequest(len(prepared.ids), len(keys), self._lower_tiers(keys, matches))
         return self._choose(request, matches, loads, self.costs, self.rng), matches
 
     def _lower_tiers(self, keys: list[BlockKey], matches: dict[str, int]) -> dict[str, dict[str, int]]:
         """Per node, how many blocks of its matched prefix sit in each tier below the device."""
-        lower: dict[str, dict[str, int]] = {}
-        for node_id, num in matches.items():
-            for key in keys[:num]:
-                tier = self.view.tier_of(node_id, key)
-                if tier is not None and tier != DEVICE:
-                    counts = lower.setdefault(node_id, {})
-                    counts[tier] = counts.get(tier, 0) + 1
-        return lower
+        lower = {node_id: self.view.lower_tiers(node_id, keys[:num]) for node_id, num in matches.items()}
+        return {node_id: counts for node_id, counts in lower.items() if counts}
 
     def _load(self, node_id: str, worker: WorkerInfo) -> NodeLoad:
-        """Our own in-flight work, or the worker's report where that is larger (other routers' work).
+        """Our own live in-flight work plus what every other router last published for this worker.
 
-        A report sampled before our latest start or end on that worker is stale: ignore it.
+        The worker's own count, where larger, covers work that no router published (clients
+        calling it directly). It counts only when etcd ordered it after the put that published
+        our latest change on that worker: an older report may still hold our finished requests.
         """
-        inflight = self.inflight.load_of(node_id)
-        fresh = worker.load_time > inflight.changed_at
-        reported = worker.num_running + worker.num_queued if fresh else 0
-        return NodeLoad(queued_prefill_tokens=inflight.queued_prefill_tokens,
-                        num_running=max(inflight.num_running + inflight.num_queued, reported))
+        own = self.inflight.load_of(node_id)
+        requests, queued_tokens = self.view.fleet_share(node_id, self.config.router_id)
+        requests += own.num_running + own.num_queued
+        published = own.published_revision
+        if published is not None and self.view.report_revision(node_id) > published:
+            requests = max(requests, worker.num_running + worker.num_queued)
+        return NodeLoad(queued_prefill_tokens=own.queued_prefill_tokens + queued_tokens, num_running=requests)
 
     def explain(self, prepared: Prepared) -> dict:
         plan, matches = self.decide(prepared)
-        keys = self.keys_of(prepared)
-        return {"num_prompt_tokens": len(prepared.tokens), "num_blocks": len(keys),
-                "policy": self.config.policy, "matches": matches, "lower_tiers": self._lower_tiers(keys, matches),
+        loads = {n: self._load(n, w) for n, w in self.live_workers().items()}
+        return {"num_prompt_tokens": len(prepared.ids), "num_blocks": len(prepared.keys),
+                "policy": self.config.policy, "matches": matches, "lower_tiers": self._lower_tiers(prepared.keys, matches),
+                "loads": {n: {"requests": load.num_running, "queued_prefill_tokens": load.queued_prefill_tokens}
+                          for n, load in loads.items()},
                 **plan.explain()}
 
     # -- generation ----------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from typing import AsyncIterator
 import aiohttp
 import msgspec
 
-from router.contract.worker_api import AUTH_HEADER, Event, GenerateRequest, PinReply, PinRequest, decode_event, encode
+from router.contract.worker_api import (MSGPACK, AUTH_HEADER, Event, GenerateRequest, PinReply, PinRequest, decode_event,
+                                       encode, encode_request)
 
 class WorkerUnreachable(Exception):
     """The worker could not be reached or its stream broke off."""
@@ -34,8 +35,8 @@ class WorkerClient:
     async def generate(self, worker_url: str, request: GenerateRequest) -> AsyncIterator[Event]:
         """Yield the worker's events; raise WorkerUnreachable if it cannot be reached or breaks off."""
         try:
-            async with self._client().post(f"{worker_url}/generate", data=encode(request),
-                                           headers={"Content-Type": "application/json"}) as response:
+            async with self._client().post(f"{worker_url}/generate", data=encode_request(request),
+                                           headers={"Content-Type": MSGPACK}) as response:
                 if response.status != 200:
                     raise WorkerUnreachable(f"worker answered {response.status}: {(await response.text())[:200]}")
                 async for line in response.content:

@@ -21,7 +21,8 @@ HASH_SCHEME_VERSION = 1
 KEY_BYTES = 16
 
 _digest = xxhash.xxh3_128_digest
-_INT32 = np.dtype("<i4")
+TOKEN_DTYPE = np.dtype("<i4")  # how the hash reads token ids
+_INT32 = TOKEN_DTYPE
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 

@@ -7,6 +7,7 @@
                                      the address routing to etcd; loopback advertised into a
                                      non-loopback etcd is refused (AddressError): peers on other
                                      machines would call themselves
+    reachable_host(bound, etcd)      the router's announced address (it puts none into etcd)
     interface_of(address)            the interface holding it (what UCX_NET_DEVICES names)
 
 Knows nothing of what is served on these addresses.
@@ -62,13 +63,15 @@ def bind_host(host: str, etcd_endpoints: str) -> str:
     return route_source(etcd_hosts(etcd_endpoints)[0])
 
 
+def reachable_host(bound: str, etcd_endpoints: str) -> str:
+    """The bound address, or (bound to every interface) the one a peer of etcd would reach."""
+    if bound not in WILDCARDS:
+        return bound
+    return "127.0.0.1" if etcd_on_loopback(etcd_endpoints) else route_source(etcd_hosts(etcd_endpoints)[0])
+
+
 def advertise_host(bound: str, given: str, etcd_endpoints: str) -> str:
-    if given:
-        chosen = given
-    elif bound in WILDCARDS:
-        chosen = "127.0.0.1" if etcd_on_loopback(etcd_endpoints) else route_source(etcd_hosts(etcd_endpoints)[0])
-    else:
-        chosen = bound
+    chosen = given or reachable_host(bound, etcd_endpoints)
     if is_loopback(chosen) and not etcd_on_loopback(etcd_endpoints):
         raise AddressError(
             f"would advertise loopback {chosen} into etcd at {etcd_endpoints}, which is not on loopback: peers on "

@@ -1,6 +1,12 @@
-"""`prefixpool router`: the cache-aware router process.
+"""`prefixpool router`: the cache-aware router process, or N of them on one port.
 
     etcd Mirror (snapshot + watch) ─▶ Router (policy, cost model) ─▶ HTTP (OpenAI API)
+    LoadPublisher: this router's in-flight load per worker ─▶ etcd, under its own lease
+
+With `--processes N` the parent picks the port, starts N router processes that
+each bind it with SO_REUSEPORT (the kernel spreads connections over them), each
+with its own mirror, load entry (`<router-id>-<i>`) and metrics, aggregated by
+prometheus_client's multiprocess mode; it stops them on SIGTERM.
 
 The cost model's prefill speed follows what workers report in their etcd
 records (the mean over workers that have measured one), so routing adapts to
@@ -11,20 +17,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import os
 import signal
 import socket
 import sys
 
 from aiohttp import web
 
-from cluster.deploy.addresses import WILDCARDS, AddressError, advertise_host, bind_host
+from cluster.deploy.addresses import AddressError, bind_host, reachable_host
 from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
+from cluster.meta.load_publisher import LoadPublisher, LoadPublisherConfig
 from cluster.meta.mirror import Mirror
 from cluster.engine.model_config import torch_dtype
 from cluster.engine.model_source import MODEL_ERRORS, cache_namespace, model_config, tokenizer_for
 from cluster.deploy.processes import announce_ready
+from cluster.deploy.router_processes import run_processes
 from cluster.deploy.router_settings import RouterSettings
 from cluster.deploy.settings import add_flags, from_args
 from router.cost_model import CostModel
@@ -44,15 +54,30 @@ def run(args: argparse.Namespace) -> int:
     settings = from_args(RouterSettings, args)
     try:
         host = bind_host(settings.host, settings.etcd_endpoints)
-        url_host = host if host not in WILDCARDS else advertise_host(host, "", settings.etcd_endpoints)
     except AddressError as err:
         print(f"prefixpool router: {err}", file=sys.stderr)
         return 2
+    settings = dataclasses.replace(settings, host=host,
+                                   router_id=settings.router_id or f"{socket.gethostname()}-{os.getpid()}")
     try:
-        asyncio.run(serve(settings, host, url_host))
+        model_config(settings.model, settings.model_path)  # refused here, once, before any process starts
+        if settings.processes > 1:
+            return run_processes(settings, serve_one)
+        serve_one(settings)
     except MODEL_ERRORS as err:  # a checkpoint we cannot serve: one line, not a traceback
         raise SystemExit(f"prefixpool router: {err}") from None
     return 0
+
+
+def serve_one(settings: RouterSettings, on_ready=announce_ready) -> None:
+    """One router process until SIGTERM or SIGINT (uvloop's event loop where installed)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; the plain loop still works
+        asyncio.run(serve(settings, on_ready))
+    else:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(settings, on_ready))
 
 
 def build_router(settings: RouterSettings, view, client: WorkerClient) -> Router:
@@ -64,34 +89,50 @@ def build_router(settings: RouterSettings, view, client: WorkerClient) -> Router
     router_config = RouterConfig(
         model=settings.model, namespace=cache_namespace(config, settings.dtype, settings.block_size),
         max_context=config.max_position, vocab_size=config.vocab_size, policy=settings.policy,
-        api_key=settings.api_key, max_retries=settings.max_retries, default_max_tokens=settings.default_max_tokens)
+        router_id=settings.router_id, api_key=settings.api_key, max_retries=settings.max_retries,
+        default_max_tokens=settings.default_max_tokens)
     return Router(router_config, tokenizer_for(settings.model_path), view, client, costs)
 
 
-async def serve(settings: RouterSettings, host: str, url_host: str) -> None:
-    """Bind `host`; announce `url_host` (the same, or a reachable address when bound to 0.0.0.0)."""
-    etcd = EtcdClient(settings.etcd_endpoints)
-    mirror = Mirror(etcd, Layout(settings.cluster))
-    client = WorkerClient(settings.worker_token, read_timeout_s=settings.request_timeout_s)
-    router = build_router(settings, mirror, client)
-    await mirror.start()
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound with SO_REUSEPORT, so sibling router processes can bind the same port."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, settings.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
+    etcd = EtcdClient(settings.etcd_endpoints)
+    layout = Layout(settings.cluster)
+    mirror = Mirror(etcd, layout)
+    client = WorkerClient(settings.worker_token, read_timeout_s=settings.request_timeout_s)
+    router = build_router(settings, mirror, client)
+    publisher = LoadPublisher(etcd, layout, settings.router_id, router.inflight,
+                              LoadPublisherConfig(ttl_s=settings.lease_ttl_s, period_s=settings.load_publish_s))
+    router.inflight.on_change = publisher.changed
+    await mirror.start()
+    await publisher.start()
+    sock = listen(settings.host, settings.port)
     runner = web.AppRunner(build_app(router), access_log=None)
     await runner.setup()
     await web.SockSite(runner, sock).start()
-    speed_task = asyncio.create_task(_follow_prefill_speed(router, mirror))
-    url = f"http://{url_host}:{sock.getsockname()[1]}"
-    announce_ready(url)
-    log.info("router serving %s (policy %s)", url, settings.policy)
+    tasks = [asyncio.create_task(_follow_prefill_speed(router, mirror))]
+    if settings.processes > 1:  # a scrape reaches one process: every process keeps its gauges current
+        tasks.append(asyncio.create_task(_refresh_gauges(router)))
+    url = f"http://{reachable_host(settings.host, settings.etcd_endpoints)}:{sock.getsockname()[1]}"
+    on_ready(url)
+    log.info("router %s serving %s (policy %s)", settings.router_id, url, settings.policy)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
-    speed_task.cancel()
+    for task in tasks:
+        task.cancel()
     await runner.cleanup()
     await client.close()
+    await publisher.stop()
     await mirror.stop()
     await etcd.close()
 
@@ -102,3 +143,9 @@ async def _follow_prefill_speed(router: Router, mirror: Mirror, period_s: float 
         speeds = [n.prefill_tokens_per_s for n in mirror.nodes.values() if n.prefill_tokens_per_s > 0]
         if speeds:
             router.costs = router.costs.with_prefill_speed(sum(speeds) / len(speeds))
+
+
+async def _refresh_gauges(router: Router, period_s: float = 1.0) -> None:
+    while True:
+        router.refresh_gauges()
+        await asyncio.sleep(period_s)

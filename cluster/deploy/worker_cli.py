@@ -124,7 +124,8 @@ async def serve(settings: WorkerSettings, host: str, advertise: str) -> None:
     fetcher = Fetcher(settings.token)
     pins = PrefixPins(engine.pool, settings.soft_pin_blocks, settings.soft_pin_ttl_s)
     worker = Worker(engine, engine.namespace, publisher, fetcher, settings.fetch_timeout_s, tiers, pins,
-                    WorkerPeriods(soft_refresh_s=settings.soft_pin_refresh_s))
+                    WorkerPeriods(soft_refresh_s=settings.soft_pin_refresh_s),
+                    fetch_while_queued=settings.fetch_while_queued)
     found = tiers.scan()  # before registering: registration publishes tiers.entries(), these included
     if found:
         log.info("worker %s: %d valid SSD blocks from an earlier run", node_id, len(found))

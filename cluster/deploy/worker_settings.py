@@ -25,6 +25,7 @@ class WorkerSettings(CommonSettings):
     max_batch_size: int = setting(8, "requests decoded together")
     chunk_size: int = setting(512, "prefill chunk, in tokens")
     fetch_timeout_s: float = setting(5.0, "deadline of one block fetch from a peer")
+    fetch_while_queued: bool = setting(True, "queue a request before its planned fetch ends, so the transfer overlaps the wait")
     cpu_threads: int = setting(1, "torch CPU threads (0 keeps torch's default); small kernels on shared cores run best on 1")
     token: str = setting("", "shared token required on the internal API and transfer port")
     corrupt_transfer_every: int = setting(0, "fault injection (chaos tests): flip a byte in every Nth block sent to peers; 0 is off")

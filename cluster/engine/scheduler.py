@@ -1,6 +1,8 @@
 """The engine: admits requests onto cached blocks, batches their steps, samples, frees.
 
     submit ─▶ waiting (FIFO) ──admit: match+touch the cached prefix, allocate the rest──▶ running
+              (a request submitted `held` keeps its place but is passed over until `release`:
+               its blocks are still arriving from a peer while it queues)
     step = schedule()  pool ops: admission; picks each running request's next span
            forward()   tensor work only (may run in a thread while the caller uses the pool)
            finish()    pool ops: commit newly full blocks, sample, free finished requests tail first
@@ -65,10 +67,11 @@ class Engine:
         self._next_id = 0
         self._pool_events: dict[BlockKey, bool] = {}   # key -> stored (True) or evicted, latest wins
         self._refused: list[tuple[int, str]] = []
+        self._held: set[int] = set()  # waiting, but not admissible yet
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, tokens: Seq[int], params: SamplingParams, keys: Seq[BlockKey] | None = None, *,
-               keep_logits: bool = False) -> int:
+               keep_logits: bool = False, held: bool = False) -> int:
         tokens = list(tokens)
         if not tokens:
             raise RequestTooLarge("a request needs at least one prompt token")
@@ -84,7 +87,13 @@ class Engine:
         self._next_id += 1
         self._sequences[seq.request_id] = seq
         self.waiting.append(seq)
+        if held:
+            self._held.add(seq.request_id)
         return seq.request_id
+
+    def release(self, request_id: int) -> None:
+        """A held request may be admitted from now on, in its place in the queue."""
+        self._held.discard(request_id)
 
     def abort(self, request_id: int) -> bool:
         """Drop a request; its blocks are freed now, or after the step that is using them."""
@@ -93,6 +102,7 @@ class Engine:
             return False
         if seq in self.waiting:
             self.waiting.remove(seq)
+            self._held.discard(request_id)
             del self._sequences[request_id]
         elif request_id in self._in_flight:
             seq.aborted = True
@@ -149,13 +159,17 @@ class Engine:
                 spans.append(self._span(seq, budget))
                 budget -= spans[-1].end - spans[-1].start
         while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
-            seq = self.waiting[0]
+            seq = next((s for s in self.waiting if s.request_id not in self._held), None)
+            if seq is None:
+                break
             if not self._admit(seq):
                 if self.running or not self._held_elsewhere(seq):
                     break
-                self._refuse(self.waiting.popleft())
+                self.waiting.remove(seq)
+                self._refuse(seq)
                 continue
-            self.running.append(self.waiting.popleft())
+            self.waiting.remove(seq)
+            self.running.append(seq)
             spans.append(self._span(seq, budget))
             budget -= spans[-1].end - spans[-1].start
         self._in_flight = {span.seq.request_id for span in spans}

@@ -2,6 +2,7 @@
 
     /prefixpool/<ns>/nodes/<node_id>             -> msgspec JSON NodeRecord   (node lease)
     /prefixpool/<ns>/blocks/<key_hex>/<node_id>  -> tier, ascii               (node lease)
+    /prefixpool/<ns>/routers/<router_id>         -> msgspec JSON RouterLoad   (router lease)
 
 Builds keys and parses them back; a key that does not parse is foreign (None).
 Knows nothing of the client library or of what the records mean.
@@ -46,6 +47,19 @@ class Layout:
     @property
     def blocks_prefix(self) -> bytes:
         return self.prefix + b"blocks/"
+
+    @property
+    def routers_prefix(self) -> bytes:
+        return self.prefix + b"routers/"
+
+    def router_key(self, router_id: str) -> bytes:
+        return self.routers_prefix + router_id.encode()
+
+    def parse_router(self, raw: bytes) -> str | None:
+        if not raw.startswith(self.routers_prefix):
+            return None
+        router_id = raw[len(self.routers_prefix) :].decode("utf-8", "replace")
+        return router_id if router_id and "/" not in router_id else None
 
     def node_key(self, node_id: str) -> bytes:
         return self.nodes_prefix + node_id.encode()

@@ -1,4 +1,5 @@
-"""The router's in-memory mirror of etcd: node records and the cluster-wide block index.
+"""The router's in-memory mirror of etcd: node records, the cluster-wide block index, and
+every router's published in-flight load (router.fleet_load).
 
     snapshot: range read of /prefixpool/<ns>/ at revision R -> index, nodes (built from scratch)
     watch:    from R+1, every event applied in order          -> gap-free by construction
@@ -24,6 +25,7 @@ import msgspec
 from cluster.meta.etcd_client import EtcdClient, EtcdError, RevisionCompacted, Snapshot, Watch, WatchBatch
 from cluster.meta.layout import Layout
 from cluster.meta.membership import NodeRecord, decode_record
+from router.fleet_load import FleetLoad, decode_load
 from router.index import BlockIndex
 from store.keys import BlockKey
 
@@ -41,6 +43,8 @@ class Mirror:
         self.client, self.layout, self.config = client, layout, config
         self.index = BlockIndex()
         self.nodes: dict[str, NodeRecord] = {}
+        self.node_revisions: dict[str, int] = {}  # node -> etcd revision of its record (its latest load report)
+        self.fleet = FleetLoad()
         self.revision = 0  # everything up to this etcd revision is applied
         self.num_resyncs = self.num_events = self.num_skipped = 0
         self.applied_at = 0.0  # time.monotonic() of the latest applied batch
@@ -75,8 +79,16 @@ class Mirror:
         """Per node, how many blocks from keys[0] on it holds consecutively."""
         return self.index.longest_prefix(keys)
 
-    def tier_of(self, node_id: str, key: BlockKey) -> str | None:
-        return self.index.tier_of(node_id, key)
+    def report_revision(self, node_id: str) -> int:
+        """etcd revision of the node's latest record, the load it reports included (0 if unknown)."""
+        return self.node_revisions.get(node_id, 0)
+
+    def fleet_share(self, worker: str, exclude: str) -> tuple[int, int]:
+        """(requests, queued prefill tokens) that routers other than `exclude` have in flight on `worker`."""
+        return self.fleet.share(worker, exclude)
+
+    def lower_tiers(self, node_id: str, keys: Sequence[BlockKey]) -> dict[str, int]:
+        return self.index.lower_tiers(node_id, keys)
 
     async def wait_revision(self, revision: int, timeout_s: float = 10.0) -> None:
         """Until the mirror has applied everything up to `revision`, which must be the revision of a
@@ -105,9 +117,9 @@ class Mirror:
                     self._watch = None
 
     def _load(self, snapshot: Snapshot) -> None:
-        self.index, self.nodes = BlockIndex(), {}
+        self.index, self.nodes, self.node_revisions, self.fleet = BlockIndex(), {}, {}, FleetLoad()
         for kv in snapshot.kvs:
-            self._put(kv.key, kv.value)
+            self._put(kv.key, kv.value, kv.mod_revision)
         self.revision = snapshot.revision
         self.num_resyncs += 1
         self.applied_at = time.monotonic()
@@ -117,14 +129,14 @@ class Mirror:
     def _apply(self, batch: WatchBatch) -> None:
         for event in batch.events:
             if event.is_put:
-                self._put(event.key, event.value)
+                self._put(event.key, event.value, event.revision)
             else:
                 self._delete(event.key)
         self.num_events += len(batch.events)
         self.revision = max(self.revision, batch.revision)
         self.applied_at = time.monotonic()
 
-    def _put(self, key: bytes, value: bytes) -> None:
+    def _put(self, key: bytes, value: bytes, revision: int) -> None:
         """A malformed value replacing a good one removes the good one: the mirror never holds more than etcd."""
         if (entry := self.layout.parse_block(key)) is not None:
             tier = self._tier(value)
@@ -136,14 +148,28 @@ class Mirror:
             record = self._record(value)
             if record is not None and record.node_id == node_id:
                 self.nodes[node_id] = record
+                self.node_revisions[node_id] = revision
                 return
             self.nodes.pop(node_id, None)
+        elif (router_id := self.layout.parse_router(key)) is not None:
+            load = self._router_load(value)
+            if load is not None and load.router_id == router_id:
+                self.fleet.put(load, revision)
+                return
+            self.fleet.delete(router_id)
         self._skip(key, value)
 
     @staticmethod
     def _record(value: bytes) -> NodeRecord | None:
         try:
             return decode_record(value)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+
+    @staticmethod
+    def _router_load(value: bytes):
+        try:
+            return decode_load(value)
         except (msgspec.ValidationError, msgspec.DecodeError):
             return None
 
@@ -154,6 +180,9 @@ class Mirror:
                 del self.index.keys_of[entry.node_id]
         elif (node_id := self.layout.parse_node(key)) is not None:
             self.nodes.pop(node_id, None)
+            self.node_revisions.pop(node_id, None)
+        elif (router_id := self.layout.parse_router(key)) is not None:
+            self.fleet.delete(router_id)
         else:
             self._skip(key, b"")
 

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from cluster.node.worker import PinRefused, Worker
 from router.contract.tokenizer import ByteTokenizer, Tokenizer
-from router.contract.worker_api import AUTH_HEADER, Failed, GenerateRequest, PinReply, PinRequest, encode, encode_event
+from router.contract.worker_api import AUTH_HEADER, Failed, PinReply, PinRequest, decode_request, encode, encode_event
 from transfer.faults import num_corrupted
 from transfer.source import BlockSource
 
@@ -27,7 +27,6 @@ TOKEN_KEY: web.AppKey[str] = web.AppKey("token", str)
 STATE_KEY: web.AppKey[dict] = web.AppKey("state", dict)
 SOURCE_KEY: web.AppKey[BlockSource | None] = web.AppKey("source", BlockSource)
 TOKENIZER_KEY: web.AppKey[Tokenizer] = web.AppKey("tokenizer", object)
-_request_decoder = msgspec.json.Decoder(GenerateRequest)
 _pin_decoder = msgspec.json.Decoder(PinRequest)
 
 
@@ -47,7 +46,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not request.app[STATE_KEY]["serving"]:
         return _error(503, "worker is shutting down")
     try:
-        body = _request_decoder.decode(await request.read())
+        body = decode_request(await request.read(), request.content_type)
     except msgspec.DecodeError as err:
         return _error(400, f"bad generate request: {err}")
     if not body.tokens:

@@ -3,7 +3,9 @@
     generate(request)
       keys = chain(tokens)                       hashed at the edge, salted per tenant
       fetch plan? -> transfer.fetch(peer, keys[local:end])   (a hint: the peer re-checks;
-                     failures cost a recompute, never an error)
+                     failures cost a recompute, never an error). With fetch_while_queued the
+                     request is queued first, held, and released when the fetch ends, so the
+                     transfer overlaps the wait behind other requests instead of preceding it
       tiers.promote(keys)  the run found in host memory or on the SSD is copied up
       engine.submit(tokens, keys) -> events stream back; every key whose tier changed
       is published, in its fastest tier, by the publisher, off the request path
@@ -64,7 +66,8 @@ class _Stream:
 class Worker:
     def __init__(self, engine: Engine, namespace: Namespace, publisher: BlockPublisher, fetcher: Fetcher,
                  fetch_timeout_s: float = 5.0, tiers: DeviceOnly | NodeTiers | None = None,
-                 pins: PrefixPins | None = None, periods: WorkerPeriods = WorkerPeriods()) -> None:
+                 pins: PrefixPins | None = None, periods: WorkerPeriods = WorkerPeriods(),
+                 fetch_while_queued: bool = True) -> None:
         self.engine = engine
         self.pool = engine.pool
         self.arena = engine.arena
@@ -72,6 +75,7 @@ class Worker:
         self.publisher = publisher
         self.fetcher = fetcher
         self.fetch_timeout_s = fetch_timeout_s
+        self.fetch_while_queued = fetch_while_queued
         self._streams: dict[int, _Stream] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -103,19 +107,24 @@ class Worker:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         keys = chain(request.tokens, self.namespace.with_salt(request.cache_salt))
         stream = _Stream()
-        if request.fetch is not None:
+        overlap = request.fetch is not None and self.fetch_while_queued
+        if request.fetch is not None and not overlap:
             await self._fetch(request, keys, stream)
-        self._promote(keys, stream)
-        self.pins.record_hits(keys[: len(self.pool.match(keys))])
+        if not overlap:
+            self._prepare_blocks(keys, stream)
         try:
-            request_id = self.engine.submit(request.tokens, request.sampling, keys=keys)
+            request_id = self.engine.submit(request.tokens, request.sampling, keys=keys, held=overlap)
         except ValueError as err:  # bad sampling values, or a request that can never fit this worker
             self.pool.free(stream.pinned)
             yield Failed(str(err), 400)
             return
         self._streams[request_id] = stream
-        self._wake.set()
         try:
+            if overlap:  # queued from now on; admission waits for the fetch to end
+                await self._fetch(request, keys, stream)
+                self._prepare_blocks(keys, stream)
+                self.engine.release(request_id)
+            self._wake.set()
             while True:
                 event = await stream.queue.get()
                 yield event
@@ -123,6 +132,10 @@ class Worker:
                     return
         finally:
             self._release(request_id)
+
+    def _prepare_blocks(self, keys: list[BlockKey], stream: _Stream) -> None:
+        self._promote(keys, stream)
+        self.pins.record_hits(keys[: len(self.pool.match(keys))])
 
     async def _fetch(self, request: GenerateRequest, keys: list[BlockKey], stream: _Stream) -> None:
         plan = request.fetch

@@ -23,9 +23,11 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from router.contract.chat_template import ChatTemplate, ChatTemplateError, read_chat_template
+from store.keys import TOKEN_DTYPE
 
 BYTE_BOS, BYTE_EOS, BYTE_PAD = 256, 257, 258
 EOS_CANDIDATES = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>", "</s>", "<eos>")
@@ -40,6 +42,7 @@ class Tokenizer(Protocol):
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
+    def encode_array(self, text: str) -> np.ndarray: ...  # int32 ids, ready for the block hash
     def decode(self, tokens: list[int]) -> str: ...
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
 
@@ -57,6 +60,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(TOKEN_DTYPE)
 
     def decode(self, tokens: list[int]) -> str:
         return bytes(t for t in tokens if 0 <= t < 256).decode("utf-8", errors="replace")
@@ -92,6 +98,9 @@ class FileTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.array(self.encode(text), dtype=TOKEN_DTYPE)
 
     def decode(self, tokens: list[int]) -> str:
         return self._tokenizer.decode(tokens, skip_special_tokens=True)

@@ -1,6 +1,8 @@
 """The router <-> worker wire format: one module both sides import.
 
-    POST {worker}/generate  GenerateRequest (JSON)
+    POST {worker}/generate  GenerateRequest: msgpack (Content-Type application/msgpack, what routers
+                            send: a token id below 128 is one byte, no text formatting of numbers)
+                            or JSON (anything else: operators, tests, curl)
       <- NDJSON stream: Token, Token, ..., then exactly one Done or Failed
 
 The plan is a hint: the worker matches its own pool first and the peer
@@ -112,12 +114,26 @@ class WorkerLoad(msgspec.Struct, frozen=True):
     prefill_tokens_per_s: float
 
 
+MSGPACK = "application/msgpack"
 _encoder = msgspec.json.Encoder()
 _event_decoder = msgspec.json.Decoder(Event)
+_request_encoder = msgspec.msgpack.Encoder()
+_request_decoders = {MSGPACK: msgspec.msgpack.Decoder(GenerateRequest)}
+_json_request_decoder = msgspec.json.Decoder(GenerateRequest)
 
 
 def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
+
+
+def encode_request(request: GenerateRequest) -> bytes:
+    """The router's form of a generate request: msgpack (Content-Type MSGPACK)."""
+    return _request_encoder.encode(request)
+
+
+def decode_request(body: bytes, content_type: str) -> GenerateRequest:
+    """msgpack or JSON by Content-Type; raises msgspec.DecodeError (ValidationError included) when malformed."""
+    return _request_decoders.get(content_type, _json_request_decoder).decode(body)
 
 
 def encode_event(event: Event) -> bytes:

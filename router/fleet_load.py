@@ -1,0 +1,74 @@
+"""Other routers' in-flight work, as each publishes it to etcd: the fleet's share of a worker's load.
+
+    router R puts  /prefixpool/<ns>/routers/<R>  = RouterLoad{worker: [requests, queued prefill tokens]}
+                   under R's own lease, coalesced (one put per period at most, only when it changed)
+    every router:  load(W) = its own live in-flight on W + sum over the other routers' entries for W
+
+Entries are replaced in etcd revision order (the mirror applies watch events in order; an
+entry older than the one held is ignored), never compared by wall clocks. A router that dies
+stops renewing its lease and etcd deletes its entry: its share vanishes by itself. Knows
+nothing of etcd clients, HTTP or policies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class RouterLoad(msgspec.Struct, frozen=True):
+    """One router's in-flight work per worker: worker -> (requests, queued prefill tokens)."""
+
+    router_id: str
+    workers: dict[str, tuple[int, int]] = {}
+
+
+_decoder = msgspec.json.Decoder(RouterLoad)
+
+
+def encode_load(load: RouterLoad) -> bytes:
+    return msgspec.json.encode(load)
+
+
+def decode_load(raw: bytes) -> RouterLoad:
+    """Raises msgspec.ValidationError / DecodeError on anything that is not a RouterLoad."""
+    return _decoder.decode(raw)
+
+
+@dataclass(slots=True)
+class _Entry:
+    load: RouterLoad
+    revision: int
+
+
+@dataclass
+class FleetLoad:
+    """The latest RouterLoad of every live router, each with the etcd revision that wrote it."""
+
+    _entries: dict[str, _Entry] = field(default_factory=dict)
+
+    def put(self, load: RouterLoad, revision: int) -> bool:
+        """Keep `load` unless a later revision is already held; True when it was kept."""
+        held = self._entries.get(load.router_id)
+        if held is not None and held.revision > revision:
+            return False
+        self._entries[load.router_id] = _Entry(load, revision)
+        return True
+
+    def delete(self, router_id: str) -> None:
+        self._entries.pop(router_id, None)
+
+    def routers(self) -> dict[str, int]:
+        """Router id -> revision of its entry."""
+        return {router_id: entry.revision for router_id, entry in self._entries.items()}
+
+    def share(self, worker: str, exclude: str = "") -> tuple[int, int]:
+        """(requests, queued prefill tokens) on `worker` summed over every router but `exclude`."""
+        requests = tokens = 0
+        for router_id, entry in self._entries.items():
+            if router_id != exclude:
+                num, queued = entry.load.workers.get(worker, (0, 0))
+                requests += num
+                tokens += queued
+        return requests, tokens
