@@ -5,6 +5,7 @@ import random
 from cluster.engine.scheduler import Engine
 from cluster.engine.model_config import arena_shape_for, namespace_for
 from store.arena import KVArena
+from store.node_blocks import NodeBlocks
 from store.pool import BlockPool
 
 BLOCK = 4
@@ -13,14 +14,14 @@ BLOCK = 4
 def make_engine(model, num_blocks=64, chunk_size=512, max_batch_size=8):
     config = model.config
     arena = KVArena(arena_shape_for(config, num_blocks, BLOCK), model.dtype)
-    return Engine(model, BlockPool(num_blocks), arena, namespace_for(config, model.dtype, BLOCK),
+    return Engine(model, NodeBlocks(BlockPool(num_blocks)), arena, namespace_for(config, model.dtype, BLOCK),
                   chunk_size=chunk_size, max_batch_size=max_batch_size)
 
 
 def assert_clean(engine):
-    engine.pool.check_integrity()
+    engine.blocks.check_integrity()
     assert not engine.has_work()
-    assert engine.pool.ref_count == [0] * engine.pool.num_blocks, "leaked ref counts"
+    assert engine.blocks.pool.ref_count == [0] * engine.blocks.num_blocks, "leaked ref counts"
 
 
 def tokens(n, seed):

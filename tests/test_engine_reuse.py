@@ -30,12 +30,13 @@ def reference(model, prompt):
 
 def copy_blocks(source, target, keys):
     """What a network transfer does: raw bytes of each cached block into a fresh block elsewhere."""
-    block_ids = [source.pool.lookup(key) for key in keys]
-    allocation = target.pool.allocate(len(block_ids))
-    for src, dst, key in zip(block_ids, allocation.block_ids, keys):
+    block_ids = [source.blocks.lookup(key) for key in keys]
+    hold = target.blocks.acquire(())
+    target.blocks.allocate(hold, len(block_ids))
+    for index, (src, dst, key) in enumerate(zip(block_ids, list(hold.block_ids), keys)):
         target.arena.write_bytes(dst, bytes(source.arena.read_bytes(src)))
-        assert target.pool.commit(dst, key)
-    target.pool.free(allocation.block_ids)
+        assert target.blocks.commit(hold, index, key)
+    target.blocks.release(hold)
 
 
 # (prefix length, suffix length): exactly N blocks, partial last block, one-token suffix, all cached
@@ -124,13 +125,13 @@ def test_evicting_a_middle_block_makes_the_rest_recompute(model):
     engine = make_engine(model)
     engine.generate(prompt, GREEDY)
     keys = chain(prompt, engine.namespace)
-    assert engine.pool.drop(keys[2])
+    assert engine.blocks.pool.drop(keys[2])
 
     logits, stats = engine.prefill_logits(prompt)
     assert stats.num_cached_tokens == 2 * BLOCK
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert engine.generate(prompt, GREEDY)[0] == ref_output
-    assert engine.pool.lookup(keys[2]) is not None, "the recomputed block is cached again"
+    assert engine.blocks.lookup(keys[2]) is not None, "the recomputed block is cached again"
     assert_clean(engine)
 
 
