@@ -50,8 +50,8 @@ class NodeBlocks:
         if tiers is not None:
             assert pool.num_blocks == tiers.arena.num_blocks, "pool and arena disagree on the number of blocks"
         self.pool = pool
-        self.tiers: TierChain | NoTiers = tiers or NoTiers()
-        self.pins = pins or PrefixPins()
+        self.tiers: TierChain | NoTiers = NoTiers() if tiers is None else tiers
+        self.pins = PrefixPins() if pins is None else pins
         self._holds: set[Hold] = set()
         self._journal = TierChanges()
 
@@ -243,7 +243,7 @@ class NodeBlocks:
         """Raise AssertionError unless pool, tiers, pins and holds agree."""
         pool = self.pool
         pool.check_integrity()
-        self.tiers.check_integrity(pool.index)
+        self.tiers.check_integrity()
         expected = [0] * pool.num_blocks
         for hold in self._holds:
             for block_id in hold.block_ids:

@@ -40,7 +40,7 @@ def make_engine(model, num_blocks=16, host_blocks=0, disk_dir=None, min_residenc
     pool = BlockPool(num_blocks, min_residency_s, clock or Clock())
     host = HostTier(host_blocks, arena.block_bytes) if host_blocks else None
     disk = DiskTier(disk_dir, arena.block_bytes, 256) if disk_dir else None
-    tiers = NodeBlocks(pool, TierChain(arena, host, disk) if host or disk else None)
+    tiers = NodeBlocks(pool, TierChain(arena, host, disk) if (host, disk) != (None, None) else None)
     engine = Engine(model, tiers, arena, namespace_for(config, model.dtype, BLOCK))
     return engine, tiers, tiers.take_changes
 
