@@ -27,6 +27,7 @@ from cluster.engine.scheduler import Engine  # noqa: E402
 from cluster.engine.model_config import arena_shape_for, namespace_for, preset  # noqa: E402
 from cluster.engine.sampling import SamplingParams  # noqa: E402
 from store.arena import KVArena  # noqa: E402
+from store.node_blocks import NodeBlocks  # noqa: E402
 from store.pool import BlockPool  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -36,7 +37,7 @@ ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 def make_engine(model, num_blocks: int, chunk_size: int) -> Engine:
     arena = KVArena(arena_shape_for(model.config, num_blocks, BLOCK_SIZE), model.dtype)
     namespace = namespace_for(model.config, model.dtype, BLOCK_SIZE)
-    return Engine(model, BlockPool(num_blocks), arena, namespace, chunk_size=chunk_size)
+    return Engine(model, NodeBlocks(BlockPool(num_blocks)), arena, namespace, chunk_size=chunk_size)
 
 
 def tokens(n: int, rng: random.Random) -> list[int]:

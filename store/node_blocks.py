@@ -6,8 +6,8 @@ free, allocate, commit and pin): every other part holds blocks through it.
     hold = blocks.acquire(keys)       the cached device prefix of `keys`, held (ref_count += 1)
     blocks.allocate(hold, n)          n fresh blocks appended to the hold; what they evicted
                                       went down a tier first; returns the evicted keys
-    blocks.commit(hold, i, key)       hold.block_ids[i] now answers for `key` (False: a twin does)
-    blocks.adopt(hold, i, key)        ...then the hold swaps its block for that twin
+    blocks.commit(hold, i, keys)      hold.block_ids[i:] now answer for `keys`; returns those stored
+    blocks.adopt(hold, i, key)        a key a twin already answers for: hold the twin instead
     blocks.release(hold, keep=0)      free the hold's blocks after the first `keep`, tail first
     blocks.promote(keys)              lift the host/SSD run after the device prefix into device blocks
     blocks.pin / unpin / refresh_soft TTL pins from the registry (store/pins.py), applied to the pool
@@ -122,9 +122,13 @@ class NodeBlocks:
         hold.block_ids.extend(alloc.block_ids)
         return alloc.evicted
 
-    def commit(self, hold: Hold, index: int, key: BlockKey) -> bool:
-        """The hold's block `index`, fully written, answers for `key`; False if another block already does."""
-        return self.pool.commit(hold.block_ids[index], key)
+    def commit(self, hold: Hold, start: int, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """The hold's fully written blocks from `start` on answer for `keys`; returns the keys stored.
+
+        A key another block already answers for is not stored: its block here stays keyless.
+        """
+        commit = self.pool.commit
+        return [key for block_id, key in zip(hold.block_ids[start:], keys) if commit(block_id, key)]
 
     def adopt(self, hold: Hold, index: int, key: BlockKey) -> None:
         """After a refused commit: hold the block that answers for `key` instead of block `index`."""
@@ -136,10 +140,13 @@ class NodeBlocks:
 
     def release(self, hold: Hold, keep: int = 0) -> None:
         """Free the hold's blocks after the first `keep`, tail first; keep=0 ends the hold."""
-        self.pool.free(hold.block_ids[keep:])
-        del hold.block_ids[keep:]
-        if not keep:
-            self._holds.discard(hold)
+        if keep:
+            self.pool.free(hold.block_ids[keep:])
+            del hold.block_ids[keep:]
+            return
+        self.pool.free(hold.block_ids)
+        hold.block_ids = []
+        self._holds.discard(hold)
 
     # -- tiers -----------------------------------------------------------------------------------
     def promote(self, keys: Sequence[BlockKey]) -> TierChanges:

@@ -35,7 +35,7 @@ def copy_blocks(source, target, keys):
     target.blocks.allocate(hold, len(block_ids))
     for index, (src, dst, key) in enumerate(zip(block_ids, list(hold.block_ids), keys)):
         target.arena.write_bytes(dst, bytes(source.arena.read_bytes(src)))
-        assert target.blocks.commit(hold, index, key)
+        assert target.blocks.commit(hold, index, [key]) == [key]
     target.blocks.release(hold)
 
 

@@ -102,7 +102,7 @@ class NodeBlocksMachine(RuleBasedStateMachine):
         request = open_requests[i % len(open_requests)]
         hold, keys, _, index, committed = request
         cached = keys[index] in self.blocks.pool.index
-        assert self.blocks.commit(hold, index, keys[index]) is (not cached)
+        assert self.blocks.commit(hold, index, [keys[index]]) == ([] if cached else [keys[index]])
         if not cached:
             committed.append(index)
         request[3] += 1

@@ -43,7 +43,7 @@ def compute(tiered, keys):
     changes.append(tiered.take_changes())
     for index in range(len(hit), len(keys)):
         arena.view(hold.block_ids[index]).copy_(kv_of(keys[index]))
-        tiered.commit(hold, index, keys[index])
+    tiered.commit(hold, len(hit), keys[len(hit):])
     tiered.release(hold)
     check(tiered)
     return len(hit), changes

@@ -54,7 +54,7 @@ def hold(pool, arena, keys, seed=0):
     for index, (key, block_id) in enumerate(zip(keys, held.block_ids)):
         data = torch.randint(0, 256, (arena.block_bytes,), dtype=torch.uint8, generator=generator)
         arena.write_bytes(block_id, data.numpy().tobytes())
-        assert pool.commit(held, index, key)
+        assert pool.commit(held, index, [key]) == [key]
         blocks.append(data.numpy().tobytes())
     pool.release(held)
     return blocks

@@ -262,14 +262,16 @@ class Engine:
                              tuple(seq.tokens[start:end]), end == len(seq.tokens))
 
     def _commit_full_blocks(self, seq: Sequence) -> None:
-        for index in range(seq.num_committed, seq.num_stored // self.block_size):
-            if index == len(seq.keys):
-                parent = seq.keys[-1] if seq.keys else self.namespace.root()
-                block = seq.tokens[index * self.block_size:(index + 1) * self.block_size]
-                seq.keys.extend(chain_from(parent, pack_tokens(block), self.block_size))
-            if self.blocks.commit(seq.hold, index, seq.keys[index]):
-                self._record(seq.keys[index], stored=True)
-        seq.num_committed = max(seq.num_committed, seq.num_stored // self.block_size)
+        num_full = seq.num_stored // self.block_size
+        if num_full <= seq.num_committed:
+            return
+        if num_full > len(seq.keys):  # blocks of generated tokens: keyed as they fill
+            parent = seq.keys[-1] if seq.keys else self.namespace.root()
+            block = seq.tokens[len(seq.keys) * self.block_size:num_full * self.block_size]
+            seq.keys.extend(chain_from(parent, pack_tokens(block), self.block_size))
+        for key in self.blocks.commit(seq.hold, seq.num_committed, seq.keys[seq.num_committed:num_full]):
+            self._record(key, stored=True)
+        seq.num_committed = num_full
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
         token = seq.sampler.sample(logits)

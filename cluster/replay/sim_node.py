@@ -58,7 +58,7 @@ class SimNode:
         hold = self.blocks.acquire(keys)
         num_hit = len(hold.block_ids)
         evicted = self.blocks.allocate(hold, len(keys) - num_hit)
-        stored = [k for i, k in enumerate(keys[num_hit:], num_hit) if self.blocks.commit(hold, i, k)]
+        stored = self.blocks.commit(hold, num_hit, keys[num_hit:])
         self.blocks.release(hold)
         for key in stored:
             self.host.pop(key, None)  # promoted: host is exclusive of the device
