@@ -127,6 +127,7 @@ class NodeBlocks:
 
         A key another block already answers for is not stored: its block here stays keyless.
         """
+        assert start + len(keys) <= len(hold.block_ids), "commit past the hold's blocks"
         commit = self.pool.commit
         return [key for block_id, key in zip(hold.block_ids[start:], keys) if commit(block_id, key)]
 
