@@ -33,7 +33,6 @@ from typing import AsyncIterator, Protocol
 
 from cluster.engine.batch import Batch, TokenEvent
 from cluster.engine.scheduler import Engine
-from cluster.engine.sampling import SamplingParams
 from router.contract.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage, WorkerLoad
 from store.keys import BlockKey, Namespace, chain
 from store.node_blocks import Hold
@@ -113,9 +112,7 @@ class Worker:
         self._promote(keys, stream)
         self.blocks.pins.record_hits(keys[: len(self.blocks.match(keys))])
         try:
-            params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
-                                    top_p=request.top_p, seed=request.seed, ignore_eos=request.ignore_eos)
-            request_id = self.engine.submit(request.tokens, params, keys=keys)
+            request_id = self.engine.submit(request.tokens, request.sampling, keys=keys)
         except ValueError as err:  # bad sampling values, or a request that can never fit this worker
             self._release_holds(stream)
             yield Failed(str(err), 400)
