@@ -27,3 +27,14 @@ def assert_clean(engine):
 def tokens(n, seed):
     rng = random.Random(seed)
     return [rng.randrange(256) for _ in range(n)]
+
+
+def copy_blocks(source, target, keys):
+    """What a network transfer does: raw bytes of each cached block into a fresh block elsewhere."""
+    block_ids = [source.blocks.lookup(key) for key in keys]
+    hold = target.blocks.acquire(())
+    target.blocks.allocate(hold, len(block_ids))
+    for index, (src, dst, key) in enumerate(zip(block_ids, list(hold.block_ids), keys)):
+        target.arena.write_bytes(dst, bytes(source.arena.read_bytes(src)))
+        assert target.blocks.commit(hold, index, [key]) == [key]
+    target.blocks.release(hold)
