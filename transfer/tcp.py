@@ -194,7 +194,7 @@ async def _receive(sock: socket.socket, response: FetchResponse, sink: BlockSink
         sink.reject()
         return False
     except ConnectionError as err:
-        log.info("transfer peer closed mid-stream after %d blocks: %s", len(sink.committed), err)
+        log.info("transfer peer closed mid-stream after %d blocks: %s", sink.num_committed, err)
         return False
     finally:
         scatter.close()
