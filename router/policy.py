@@ -30,6 +30,8 @@ class RouteRequest:
     num_blocks: int  # full blocks of the prompt (keys)
     # node -> {tier: blocks} of its matched prefix that sit below the device ("host", "disk")
     lower_tier_blocks: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    # nodes that can send or receive a block transfer (None: all); vLLM nodes read only their own cache
+    transfer_nodes: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,10 @@ def terms_for(worker: str, request: RouteRequest, matches: dict[str, int], loads
     load = loads[worker]
     queue_s = costs.queue_s(load.queued_prefill_tokens, load.num_running)
     options = [_option(worker, local, None, 0, request, costs, queue_s)]
-    if allow_fetch:
-        peers = [(blocks, node) for node, blocks in matches.items() if node != worker and blocks > local]
+    movable = request.transfer_nodes
+    if allow_fetch and (movable is None or worker in movable):
+        peers = [(blocks, node) for node, blocks in matches.items()
+                 if node != worker and blocks > local and (movable is None or node in movable)]
         if peers:
             blocks, peer = max(peers)
             options.append(_option(worker, local, peer, blocks - local, request, costs, queue_s))

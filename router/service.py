@@ -27,6 +27,7 @@ from router.cost_model import CostModel
 from router.index import DEVICE
 from router.policy import NodeLoad, Plan, RouteRequest, policies
 from router.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, Token
+from router.fleet import admit, kind_of, transfer_nodes
 from router.worker_client import WorkerClient, WorkerUnreachable
 from store.keys import BlockKey, Namespace, chain
 
@@ -95,6 +96,7 @@ class Router:
         self.tokenizer = tokenizer
         self.view = view
         self.client = client
+        self.kind_clients: dict[str, WorkerClient] = {}  # node kind -> its client (e.g. "vllm"); else `client`
         self.costs = costs
         self.metrics = metrics or RouterMetrics()
         self.inflight = InflightTracker()
@@ -149,16 +151,25 @@ class Router:
         return chain(prepared.tokens, self.config.namespace.with_salt(prepared.cache_salt))
 
     def live_workers(self) -> dict[str, WorkerInfo]:
-        return self.view.workers()
+        return admit(self.view.workers(), self.config.namespace)[0]
+
+    def refused_workers(self) -> dict[str, str]:
+        """Registered nodes of another namespace, with the reason they are never chosen."""
+        return admit(self.view.workers(), self.config.namespace)[1]
 
     def decide(self, prepared: Prepared, exclude: frozenset[str] = frozenset()) -> tuple[Plan, dict[str, int]]:
         workers = {n: w for n, w in self.live_workers().items() if n not in exclude}
         if not workers:
+            refused = self.refused_workers()
+            if refused:
+                raise ServiceUnavailable("no live worker in this router's namespace; refusing to route across "
+                                         "namespaces: " + "; ".join(refused.values()), code="namespace_mismatch")
             raise ServiceUnavailable("no live worker can take this request; retry later", code="no_worker")
         keys = self.keys_of(prepared)
         matches = {n: m for n, m in self.view.longest_prefix(keys).items() if n in workers}
         loads = {n: self._load(n, w) for n, w in workers.items()}
-        request = RouteRequest(len(prepared.tokens), len(keys), self._lower_tiers(keys, matches))
+        request = RouteRequest(len(prepared.tokens), len(keys), self._lower_tiers(keys, matches),
+                               transfer_nodes(workers))
         return self._choose(request, matches, loads, self.costs, self.rng), matches
 
     def _lower_tiers(self, keys: list[BlockKey], matches: dict[str, int]) -> dict[str, dict[str, int]]:
@@ -188,6 +199,7 @@ class Router:
         keys = self.keys_of(prepared)
         return {"num_prompt_tokens": len(prepared.tokens), "num_blocks": len(keys),
                 "policy": self.config.policy, "matches": matches, "lower_tiers": self._lower_tiers(keys, matches),
+                "kinds": {n: kind_of(w) for n, w in self.live_workers().items()}, "refused": self.refused_workers(),
                 **plan.explain()}
 
     # -- generation ----------------------------------------------------------------------------
@@ -202,7 +214,8 @@ class Router:
             ticket = self.inflight.begin(plan.worker, plan.prefill_tokens)
             streamed = False
             try:
-                stream = self.client.generate(worker.http_url, self._worker_request(prepared, plan))
+                client = self.kind_clients.get(kind_of(worker), self.client)
+                stream = client.generate(worker.http_url, self._worker_request(prepared, plan))
                 async with contextlib.aclosing(stream):  # a client gone closes the worker's stream now
                     async for event in stream:
                         if isinstance(event, Token) and not streamed:

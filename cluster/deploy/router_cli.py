@@ -28,6 +28,7 @@ from cluster.deploy.settings import add_flags, from_args
 from router.cost_model import CostModel
 from router.http import build_app
 from router.service import Router, RouterConfig
+from router.vllm_client import VllmClient
 from router.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ async def serve(settings: RouterSettings) -> None:
     mirror = Mirror(etcd, Layout(settings.cluster))
     client = WorkerClient(settings.worker_token, read_timeout_s=settings.request_timeout_s)
     router = build_router(settings, mirror, client)
+    vllm = router.kind_clients["vllm"] = VllmClient(settings.model, read_timeout_s=settings.request_timeout_s)
     await mirror.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -79,6 +81,7 @@ async def serve(settings: RouterSettings) -> None:
     speed_task.cancel()
     await runner.cleanup()
     await client.close()
+    await vllm.close()
     await mirror.stop()
     await etcd.close()
 
