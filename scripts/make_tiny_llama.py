@@ -19,10 +19,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
-# The same turn format as prefixpool's built-in template, written as Jinja.
+# A template of its own (not prefixpool's built-in turn format), so a test sees the router render it.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 CORPUS = [
     "You are a careful assistant. Answer in one short sentence, using plain words only.",

@@ -14,13 +14,14 @@ ALLOWED = {
 
 
 # cluster's wings: which other wings each may import (deploy sits on top of them all).
-WINGS = ("engine", "meta", "node", "replay", "deploy")
+WINGS = ("engine", "meta", "node", "replay", "vllm", "deploy")
 WING_ALLOWED = {
     "engine": set(),
     "meta": set(),
     "node": {"engine", "meta"},
     "replay": set(),
-    "deploy": {"engine", "meta", "node", "replay"},
+    "vllm": {"meta"},  # a vLLM node is registered and published like ours, through meta; no engine, no node
+    "deploy": {"engine", "meta", "node", "replay", "vllm"},
 }
 # what of router/ a wing may use: the engine and a node only the contracts they implement.
 ROUTER_ALLOWED = {

@@ -4,8 +4,10 @@
     load_tokenizer("dir" or "x.json")  -> FileTokenizer over a local `tokenizer.json` (the `tokenizers` library);
                                           a directory without one falls back to bytes
 
-The chat template is one simple, documented format for every tokenizer (no
-Jinja from tokenizer_config.json):
+The chat template is the model's own Jinja template when its directory has one
+(`chat_template.jinja`, or `chat_template` in tokenizer_config.json), rendered
+the way transformers and vLLM render it, so a vLLM node computes the very
+tokens the router hashed. Otherwise one simple, documented format:
 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
 
@@ -19,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 BYTE_BOS, BYTE_EOS, BYTE_PAD = 256, 257, 258
@@ -68,7 +71,10 @@ class FileTokenizer:
         except Exception as err:  # the library raises a bare Exception for unreadable files
             raise TokenizerError(f"{path}: cannot read tokenizer: {err}") from err
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eos_token_id = self._eos_id(path.parent / "tokenizer_config.json")
+        config_path = path.parent / "tokenizer_config.json"
+        self._config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.eos_token_id = self._eos_id(config_path)
+        self._template = JinjaTemplate.find(path.parent, self._config)
 
     def _eos_id(self, config_path: Path) -> int | None:
         names = list(EOS_CANDIDATES)
@@ -90,7 +96,37 @@ class FileTokenizer:
         return self._tokenizer.decode(tokens, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return chat_template(messages)
+        if self._template is None:
+            return chat_template(messages)
+        return self._template.render(messages, _token_text(self._config.get("bos_token")),
+                                     _token_text(self._config.get("eos_token")))
+
+
+def _token_text(token: str | dict | None) -> str:
+    return token.get("content", "") if isinstance(token, dict) else (token or "")
+
+
+class JinjaTemplate:
+    """A model's Jinja chat template, rendered as transformers does (sandboxed, trim and lstrip blocks)."""
+
+    def __init__(self, source: str) -> None:
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment.globals["raise_exception"] = _raise_template_error
+        self._template = environment.from_string(source)
+
+    @classmethod
+    def find(cls, directory: Path, config: dict) -> "JinjaTemplate | None":
+        path = directory / "chat_template.jinja"
+        source = path.read_text() if path.is_file() else config.get("chat_template")
+        return cls(source) if isinstance(source, str) and source else None
+
+    def render(self, messages: list[dict[str, str]], bos_token: str, eos_token: str) -> str:
+        return self._template.render(messages=messages, add_generation_prompt=True, bos_token=bos_token,
+                                     eos_token=eos_token)
+
+
+def _raise_template_error(message: str) -> None:
+    raise TokenizerError(f"chat template: {message}")
 
 
 def load_tokenizer(path: str | Path = "") -> Tokenizer:
