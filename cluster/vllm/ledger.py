@@ -78,8 +78,10 @@ class Ledger:
             if block_hash in self.keys:
                 continue  # already held: the same block reported again
             self.keys[block_hash] = key
-            self.holders[key] = self.holders.get(key, 0) + 1
-            stored.append(key)
+            held = self.holders.get(key, 0)
+            self.holders[key] = held + 1
+            if not held:
+                stored.append(key)
         return Change(stored=stored)
 
     def _parent_key(self, event: BlockStored) -> bytes | None:
