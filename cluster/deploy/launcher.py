@@ -51,8 +51,7 @@ class LocalCluster:
             self.etcd = EtcdServer().start()
             for i in range(self.num_workers):
                 self.start_worker(f"worker-{i}")
-            for i in range(self.num_vllm):
-                self.start_vllm(f"vllm-{i}")
+            self.start_vllm([f"vllm-{i}" for i in range(self.num_vllm)])
             self.router = spawn("router", python_argv("router", "--port", "0", *self._common(), *self._model(),
                                                       *self.router_args), self.log_dir, self.env)
         except BaseException:
@@ -70,10 +69,19 @@ class LocalCluster:
         return ["--model", self.vllm.served_name, "--model-path", self.vllm.model_path,
                 "--block-size", str(self.vllm.block_size), "--dtype", self.vllm.dtype]
 
-    def start_vllm(self, node_id: str) -> Child:
-        """One vLLM server, then its sidecar (READY once the node is registered in etcd)."""
+    def start_vllm(self, node_ids: list[str]) -> None:
+        """vLLM servers (started side by side), then a sidecar each (READY once registered in etcd)."""
+        if not node_ids:
+            return
         assert self.vllm is not None and self.log_dir is not None
-        server = self.vllm_servers[node_id] = VllmServer.start(self.vllm, self.log_dir, node_id)
+        for node_id in node_ids:
+            self.vllm_servers[node_id] = VllmServer.launch(self.vllm, self.log_dir, node_id)
+        for node_id in node_ids:
+            self.vllm_servers[node_id].wait_healthy(600.0)
+            self.start_sidecar(node_id)
+
+    def start_sidecar(self, node_id: str) -> Child:
+        server = self.vllm_servers[node_id]
         child = spawn(f"{node_id}-sidecar", python_argv(
             "vllm-node", "--node-id", node_id, "--vllm-url", server.url, "--kv-events", server.events,
             "--replay-endpoint", server.replay, "--kv-topic", "kv", *self._common(), *self._model(),

