@@ -8,13 +8,9 @@ made on the spot by scripts/make_tiny_llama.py (no download).
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import openai
@@ -33,6 +29,7 @@ from cluster.vllm.server import DEFAULT_PYTHON, TOPIC, VllmConfig
 from router.contract.tokenizer import load_tokenizer
 from store.keys import Namespace, chain
 from tests.conftest import etcdctl_get_prefix
+from tests.test_e2e import _wait_for_workers, post
 
 MODEL = "tiny-vllm"
 BLOCK = 32
@@ -107,33 +104,13 @@ def fleet(model_dir, tmp_path_factory):
             extra[name] = spawn(f"router-{name}", python_argv("router", "--port", "0", *cluster._common(),
                                                               *cluster._model(), *args), cluster.log_dir)
         cluster.extra_routers = extra
-        _wait_for_nodes(cluster.router_url, 2)
+        _wait_for_workers(cluster.router_url, 2)
         try:
             yield cluster
         finally:
             for child in extra.values():
                 child.stop()
             cluster.events.close()
-
-
-def _wait_for_nodes(url: str, count: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{url}/healthz") as reply:
-            if json.load(reply)["workers"] == count:
-                return
-        time.sleep(0.3)
-    raise AssertionError(f"router never saw {count} vLLM nodes")
-
-
-def post(url: str, path: str, body: bytes | dict) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.load(reply)
-    except urllib.error.HTTPError as err:
-        return err.code, json.load(err)
 
 
 def client_for(url: str) -> openai.OpenAI:
@@ -228,6 +205,16 @@ def test_a_router_of_another_namespace_refuses_clearly(fleet):
     status, body = post(url, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 2})
     assert status == 503 and "refusing to route across namespaces" in body["error"]["message"]
     assert "block size 32" in body["error"]["message"]
+
+
+def test_a_sidecar_told_another_model_refuses_to_register(fleet):
+    server = fleet.vllm_servers["vllm-0"]
+    argv = python_argv("vllm-node", "--vllm-url", server.url, "--kv-events", server.events, "--model", "not-this-one",
+                       "--cluster", "mismatch", *fleet._common())
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--served-model-name not-this-one" in done.stderr
+    _, kvs = etcdctl_get_prefix(fleet.etcd, Layout("mismatch").prefix.decode())
+    assert kvs == {}
 
 
 def test_etcd_keys_equal_what_vllm_reported_stored_minus_removed(fleet):

@@ -88,8 +88,7 @@ class VllmNode:
         while True:
             healthy = await self._healthy()
             failures = 0 if healthy else failures + 1
-            if healthy and not self.registered.is_set():
-                await self._check_model()
+            if healthy and not self.registered.is_set() and await self._serves_our_model():
                 await self.membership.start()
                 self.registered.set()
                 log.info("vLLM at %s is up: node %s registered", self.vllm_url, self.membership.record.node_id)
@@ -101,13 +100,18 @@ class VllmNode:
                 await self.membership.stop()
             await asyncio.sleep(self.health.period_s)
 
-    async def _check_model(self) -> None:
+    async def _serves_our_model(self) -> bool:
+        """True when vLLM lists our model; False when it could not be asked; ModelMismatch when it serves another."""
         assert self._session is not None
-        async with self._session.get(f"{self.vllm_url}/v1/models") as response:
-            served = [m["id"] for m in (await response.json()).get("data", [])]
+        try:
+            async with self._session.get(f"{self.vllm_url}/v1/models") as response:
+                served = [m["id"] for m in (await response.json()).get("data", [])]
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError):
+            return False
         if self.membership.record.model not in served:
             raise ModelMismatch(f"vLLM at {self.vllm_url} serves {served}, not {self.membership.record.model!r}: "
                                 f"start it with --served-model-name {self.membership.record.model}")
+        return True
 
     async def _healthy(self) -> bool:
         assert self._session is not None
