@@ -40,11 +40,14 @@ class VllmClient:
             await self._session.close()
 
     def body(self, request: GenerateRequest) -> dict:
-        body = {"model": self.model, "prompt": request.tokens, "max_tokens": request.max_tokens,
-                "temperature": request.temperature, "top_p": request.top_p, "ignore_eos": request.ignore_eos,
+        sampling = request.sampling
+        body = {"model": self.model, "prompt": request.tokens, "max_tokens": sampling.max_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "ignore_eos": sampling.ignore_eos,
                 "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-        if request.seed is not None:
-            body["seed"] = request.seed
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
         if request.cache_salt:
             body["cache_salt"] = request.cache_salt
         return body

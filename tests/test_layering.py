@@ -27,6 +27,7 @@ WING_ALLOWED = {
 ROUTER_ALLOWED = {
     "engine": {"router.contract"},
     "node": {"router.contract"},
+    "vllm": set(),  # the sidecar speaks vLLM's and etcd's formats, none of the router's
 }
 
 

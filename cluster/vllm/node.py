@@ -24,8 +24,8 @@ from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
 from cluster.meta.publisher import Publisher
 from cluster.vllm.event_stream import EventStream, Reset
 from cluster.vllm.ledger import Change, Ledger
-from router.index import DEVICE
 from store.keys import Namespace
+from store.tier_names import DEVICE
 
 log = logging.getLogger(__name__)
 KIND = "vllm"

@@ -4,15 +4,17 @@
     load_tokenizer("dir" or "x.json")  -> FileTokenizer over a local `tokenizer.json` (the `tokenizers` library);
                                           a directory without one falls back to bytes
 
-The chat template is the model's own Jinja template when its directory has one
-(`chat_template.jinja`, or `chat_template` in tokenizer_config.json), rendered
-the way transformers and vLLM render it, so a vLLM node computes the very
-tokens the router hashed. Otherwise one simple, documented format:
+Chat messages become text through the checkpoint's own chat template
+(tokenizer_config.json or chat_template.jinja, rendered as transformers does:
+chat_template.py); a checkpoint without one refuses chat requests. Only the
+byte tokenizer of the presets uses a fixed, documented format:
 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
 
 each message as `<|{role}|>\\n{content}\\n`, then the assistant's open turn.
-Nothing is downloaded. Knows nothing of models, keys or workers.
+Rendered text is encoded without adding special tokens (the template writes
+them), as apply_chat_template(tokenize=True) does. Nothing is downloaded.
+Knows nothing of models, keys or workers.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import json
 from pathlib import Path
 from typing import Protocol
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from router.contract.chat_template import ChatTemplate, ChatTemplateError, read_chat_template
 
 BYTE_BOS, BYTE_EOS, BYTE_PAD = 256, 257, 258
 EOS_CANDIDATES = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>", "</s>", "<eos>")
@@ -65,16 +68,14 @@ class ByteTokenizer:
 class FileTokenizer:
     """A `tokenizers` tokenizer read from a local tokenizer.json."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, template: ChatTemplate | None = None) -> None:
         try:
             self._tokenizer = HFTokenizer.from_file(str(path))
         except Exception as err:  # the library raises a bare Exception for unreadable files
             raise TokenizerError(f"{path}: cannot read tokenizer: {err}") from err
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        config_path = path.parent / "tokenizer_config.json"
-        self._config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.eos_token_id = self._eos_id(config_path)
-        self._template = JinjaTemplate.find(path.parent, self._config)
+        self.eos_token_id = self._eos_id(path.parent / "tokenizer_config.json")
+        self.template = template
 
     def _eos_id(self, config_path: Path) -> int | None:
         names = list(EOS_CANDIDATES)
@@ -96,37 +97,10 @@ class FileTokenizer:
         return self._tokenizer.decode(tokens, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        if self._template is None:
-            return chat_template(messages)
-        return self._template.render(messages, _token_text(self._config.get("bos_token")),
-                                     _token_text(self._config.get("eos_token")))
-
-
-def _token_text(token: str | dict | None) -> str:
-    return token.get("content", "") if isinstance(token, dict) else (token or "")
-
-
-class JinjaTemplate:
-    """A model's Jinja chat template, rendered as transformers does (sandboxed, trim and lstrip blocks)."""
-
-    def __init__(self, source: str) -> None:
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        environment.globals["raise_exception"] = _raise_template_error
-        self._template = environment.from_string(source)
-
-    @classmethod
-    def find(cls, directory: Path, config: dict) -> "JinjaTemplate | None":
-        path = directory / "chat_template.jinja"
-        source = path.read_text() if path.is_file() else config.get("chat_template")
-        return cls(source) if isinstance(source, str) and source else None
-
-    def render(self, messages: list[dict[str, str]], bos_token: str, eos_token: str) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=True, bos_token=bos_token,
-                                     eos_token=eos_token)
-
-
-def _raise_template_error(message: str) -> None:
-    raise TokenizerError(f"chat template: {message}")
+        if self.template is None:
+            raise ChatTemplateError("this model's checkpoint has no chat_template (tokenizer_config.json or "
+                                    "chat_template.jinja); send a prompt to /v1/completions instead")
+        return self.template.render(messages)
 
 
 def load_tokenizer(path: str | Path = "") -> Tokenizer:
@@ -140,4 +114,4 @@ def load_tokenizer(path: str | Path = "") -> Tokenizer:
         target = target / "tokenizer.json"
         if not target.is_file():
             return ByteTokenizer()
-    return FileTokenizer(target)
+    return FileTokenizer(target, read_chat_template(target.parent))
