@@ -6,7 +6,8 @@
                                                                is yielded in order
                                    replay short or absent,
                                    or seq went backwards    -> yield RESET (the caller clears and
-                                   (vLLM restarted)            relearns from here on)
+                                   (vLLM restarted)            relearns; a restart's own history is
+                                                               then replayed from 0 like a gap)
 
 The first batch seen also counts as a gap from 0, so a sidecar that starts or
 restarts after vLLM relearns what vLLM's replay buffer still holds. `drop`
@@ -76,10 +77,10 @@ class EventStream:
 
     async def _accept(self, seq: int, payload: bytes) -> AsyncIterator[tuple[int, EventBatch] | Reset]:
         if self.expected is not None and seq < self.expected:
-            if seq != 0:
-                return  # a batch already seen (replayed before it arrived live)
+            # PUB delivers in order and replays only fill what came before a live batch, so a
+            # sequence number going back means a new publisher: vLLM restarted, counting from 0.
             self.num_resets += 1
-            self.expected = None  # vLLM restarted: its sequence starts again
+            self.expected = None
             yield RESET
         start = 0 if self.expected is None else self.expected
         if seq > start:
