@@ -65,6 +65,8 @@ class VllmNode:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._follow_events())
                 group.create_task(self._follow_health())
+        except BaseExceptionGroup as errors:
+            raise errors.exceptions[0] from None  # the one that stopped the node, not the group
         finally:
             await self.publisher.stop()
             await self.membership.stop()
