@@ -99,7 +99,8 @@ async def serve(settings: WorkerSettings) -> None:
     http_socket = _bind(settings.host, settings.port)  # bound first: the record needs the real port
     http_url = f"http://{advertise}:{http_socket.getsockname()[1]}"
     record = NodeRecord(node_id, http_url, transfer.url.replace(f"//{settings.host}:", f"//{advertise}:"),
-                        settings.block_size, settings.num_blocks, settings.model)
+                        settings.block_size, settings.num_blocks, settings.model,
+                        namespace=engine.namespace.root().hex())
     etcd = EtcdClient(settings.etcd_endpoints)
     membership = Membership(etcd, Layout(settings.cluster), record, MembershipConfig(ttl_s=settings.lease_ttl_s))
     publisher = Publisher(etcd, membership, blocks.entries)
