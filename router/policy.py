@@ -30,6 +30,8 @@ class RouteRequest:
     num_blocks: int  # full blocks of the prompt (keys)
     # node -> {tier: blocks} of its matched prefix that sit below the device ("host", "disk")
     lower_tier_blocks: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    # nodes that can send or receive a block transfer (None: all); vLLM nodes read only their own cache
+    transfer_nodes: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,10 @@ def terms_for(worker: str, request: RouteRequest, matches: dict[str, int], loads
     lower = request.lower_tier_blocks.get(worker)
     read_s = sum(costs.tier_read_s(tier, blocks) for tier, blocks in lower.items()) if lower else 0.0
     prefill_s = _prefill_s(request, local, costs)
-    if allow_fetch:
-        blocks, peer = max(((b, n) for n, b in matches.items() if n != worker and b > local), default=(0, None))
+    movable = request.transfer_nodes  # None: every node can send and receive blocks
+    if allow_fetch and (movable is None or worker in movable):
+        blocks, peer = max(((b, n) for n, b in matches.items()
+                            if n != worker and b > local and (movable is None or n in movable)), default=(0, None))
         if peer is not None:
             fetch_prefill_s, transfer_s = _prefill_s(request, blocks, costs), costs.transfer_s(blocks - local)
             if fetch_prefill_s + transfer_s < prefill_s:

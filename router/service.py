@@ -32,6 +32,7 @@ from router.cost_model import CostModel
 from router.policy import NodeLoad, Plan, RouteRequest, policies
 from router.contract.chat_template import ChatTemplateError
 from router.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Token
+from router.fleet import admit, kind_of, transfer_nodes
 from router.worker_client import WorkerClient, WorkerUnreachable
 from store.keys import TOKEN_DTYPE, BlockKey, Namespace, chain_from
 
@@ -105,6 +106,7 @@ class Router:
         self.tokenizer = tokenizer
         self.view = view
         self.client = client
+        self.kind_clients: dict[str, WorkerClient] = {}  # node kind -> its client (e.g. "vllm"); else `client`
         self.costs = costs
         self.metrics = metrics or RouterMetrics()
         self.inflight = InflightTracker()
@@ -163,16 +165,25 @@ class Router:
     # -- routing -------------------------------------------------------------------------------
 
     def live_workers(self) -> dict[str, WorkerInfo]:
-        return self.view.workers()
+        return admit(self.view.workers(), self.config.namespace)[0]
+
+    def refused_workers(self) -> dict[str, str]:
+        """Registered nodes of another namespace, with the reason they are never chosen."""
+        return admit(self.view.workers(), self.config.namespace)[1]
 
     def decide(self, prepared: Prepared, exclude: frozenset[str] = frozenset()) -> tuple[Plan, dict[str, int]]:
         workers = {n: w for n, w in self.live_workers().items() if n not in exclude}
         if not workers:
+            refused = self.refused_workers()
+            if refused:
+                raise ServiceUnavailable("no live worker in this router's namespace; refusing to route across "
+                                         "namespaces: " + "; ".join(refused.values()), code="namespace_mismatch")
             raise ServiceUnavailable("no live worker can take this request; retry later", code="no_worker")
         keys = prepared.keys
         matches = {n: m for n, m in self.view.longest_prefix(keys).items() if n in workers}
         loads = {n: self._load(n, w) for n, w in workers.items()}
-        request = RouteRequest(len(prepared.ids), len(keys), self._lower_tiers(keys, matches))
+        request = RouteRequest(len(prepared.ids), len(keys), self._lower_tiers(keys, matches),
+                               transfer_nodes(workers))
         return self._choose(request, matches, loads, self.costs, self.rng), matches
 
     def _lower_tiers(self, keys: list[BlockKey], matches: dict[str, int]) -> dict[str, dict[str, int]]:
@@ -202,6 +213,7 @@ class Router:
                 "policy": self.config.policy, "matches": matches, "lower_tiers": self._lower_tiers(prepared.keys, matches),
                 "loads": {n: {"requests": load.num_running, "queued_prefill_tokens": load.queued_prefill_tokens}
                           for n, load in loads.items()},
+                "kinds": {n: kind_of(w) for n, w in self.live_workers().items()}, "refused": self.refused_workers(),
                 **plan.explain()}
 
     # -- generation ----------------------------------------------------------------------------
@@ -216,7 +228,8 @@ class Router:
             ticket = self.inflight.begin(plan.worker, plan.prefill_tokens)
             streamed = False
             try:
-                stream = self.client.generate(worker.http_url, self._worker_request(prepared, plan))
+                client = self.kind_clients.get(kind_of(worker), self.client)
+                stream = client.generate(worker.http_url, self._worker_request(prepared, plan))
                 async with contextlib.aclosing(stream):  # a client gone closes the worker's stream now
                     async for event in stream:
                         if isinstance(event, Token) and not streamed:

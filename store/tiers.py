@@ -1,26 +1,27 @@
-"""The tier chain under one node's pool: device -> host memory -> local SSD.
+"""The tiers under one node's device blocks: host memory, then the local SSD; bytes only.
 
-    allocate(n)    device blocks; each evicted block's bytes go down to host
-                   BEFORE the block is handed out (host's own victims go to SSD)
-    promote(keys)  extend the device prefix of `keys` with the run found in host
-                   or SSD: copy those bytes into fresh device blocks and commit
-                   them, so a following pool.match(keys) hits them
-    lookup(keys)   how long that run is per tier, changing nothing
+    demote(evicted)   an evicted device block's bytes go down to host BEFORE its
+                      block is handed out (host's own victims go on to SSD)
+    run(keys, index)  the lower-tier run after a device prefix: (key, tier, bytes)
+    lift(...)         copy one block of that run into a device block
+    lookup / tier_of  where keys sit below the device, changing nothing
 
     keys:   k0  k1  k2 | k3  k4 | k5 | k6
-            device     | host   | ssd| miss      lookup -> TierHits(3, 2, 1)
+            device     | host   | ssd| miss      run(keys[3:]) -> k3, k4 (host), k5 (ssd)
 
-Host is exclusive of the device (promotion moves a block up); the SSD keeps
+A lifted block leaves host (host stays exclusive of what promotion brings up); the SSD keeps
 its copy (rewriting a block is the expensive part). A tier of size 0 is not
-constructed: the chain holds only the tiers that exist. Every call returns
-what it changed per tier; SSD writes finish later and are collected with
-`collect()`. Knows nothing of etcd, the network or the engine.
+constructed, and a node with no lower tier gets `NoTiers`, the null object.
+Every call records what it changed per tier in the caller's `TierChanges`;
+SSD writes finish later and are collected with `collect()`. Which device
+block holds what, and every ref count, belong to store/node_blocks.py: this
+module knows nothing of the pool, etcd, the network or the engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 
@@ -28,8 +29,10 @@ from store.arena import KVArena
 from store.disk_tier import DiskTier
 from store.host_tier import HostTier, as_uint8
 from store.keys import BlockKey
-from store.pool import Allocation, BlockPool, PoolExhausted
-from store.tier_names import DEVICE
+from store.pool import Allocation
+from store.tier_names import DEVICE, HOST
+
+Source = tuple[BlockKey, str, torch.Tensor]  # key, the tier it sits in, its bytes
 
 
 class LowerTier(Protocol):
@@ -58,6 +61,18 @@ class TierChanges:
     def remove(self, tier: str, key: BlockKey) -> None:
         self.removed.setdefault(tier, []).append(key)
 
+    def extend(self, other: TierChanges) -> None:
+        for tier, keys in other.stored.items():
+            self.stored.setdefault(tier, []).extend(keys)
+        for tier, keys in other.removed.items():
+            self.removed.setdefault(tier, []).extend(keys)
+
+    def keys(self) -> list[BlockKey]:
+        """Every key whose tier changed, once each."""
+        touched = {key: None for keys in self.stored.values() for key in keys}
+        touched.update((key, None) for keys in self.removed.values() for key in keys)
+        return list(touched)
+
     def __bool__(self) -> bool:
         return any(self.stored.values()) or any(self.removed.values())
 
@@ -73,30 +88,102 @@ class TierHits:
         return self.device + self.host + self.disk
 
 
-class TieredPool:
-    def __init__(self, pool: BlockPool, arena: KVArena, host: HostTier | None = None, disk: DiskTier | None = None):
-        assert pool.num_blocks == arena.num_blocks, "pool and arena disagree on the number of blocks"
-        self.pool = pool
+class NoTiers:
+    """No tier below the device: nothing is demoted, lifted, collected or scanned."""
+
+    host = disk = None
+    lower: list[LowerTier] = []
+
+    def demote(self, alloc: Allocation, changes: TierChanges) -> None:
+        pass
+
+    def run(self, keys: Sequence[BlockKey], device: Mapping[BlockKey, int]) -> list[Source]:
+        return []
+
+    def lookup(self, keys: Sequence[BlockKey], device: Mapping[BlockKey, int]) -> TierHits:
+        return TierHits()
+
+    def tier_of(self, key: BlockKey) -> str | None:
+        return None
+
+    def entries(self) -> list[tuple[BlockKey, str]]:
+        return []
+
+    def collect(self) -> TierChanges:
+        return TierChanges()
+
+    def scan(self) -> list[BlockKey]:
+        return []
+
+    def check_integrity(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TierChain:
+    """Host and/or SSD under a device arena; at least one of them exists."""
+
+    def __init__(self, arena: KVArena, host: HostTier | None = None, disk: DiskTier | None = None) -> None:
         self.arena = arena
         self.host = host
         self.disk = disk
         self.lower: list[LowerTier] = [tier for tier in (host, disk) if tier is not None]
-        self._staging = torch.empty((0, arena.block_bytes), dtype=torch.uint8)  # grows to the largest promotion
+        assert self.lower, "no lower tier: use NoTiers"
+        self._staging = torch.empty((0, arena.block_bytes), dtype=torch.uint8)  # grows to the largest lift
 
-    def allocate(self, num: int) -> tuple[Allocation, TierChanges]:
-        """pool.allocate, with every evicted block demoted before its block is reused."""
-        alloc = self.pool.allocate(num)
-        changes = TierChanges()
+    def demote(self, alloc: Allocation, changes: TierChanges) -> None:
+        """Copy every block `alloc` evicted down, before the caller overwrites it."""
         for key, block_id in zip(alloc.evicted, alloc.evicted_block_ids):
             changes.remove(DEVICE, key)
-            self._demote(0, key, self._block(block_id), changes)
-        return alloc, changes
+            self._demote(0, key, self.block(block_id), changes)
 
-    def lookup(self, keys: Sequence[BlockKey]) -> TierHits:
-        num_device = len(self.pool.match(keys))
+    def run(self, keys: Sequence[BlockKey], device: Mapping[BlockKey, int]) -> list[Source]:
+        """Sources of the run: host views, verified SSD payloads (a bad file ends it; collect() reports it)."""
+        found: list[Source] = []
+        for key in keys:
+            if key in device:
+                break
+            if self.host is not None and key in self.host:
+                found.append((key, HOST, self.host.view(key)))
+                continue
+            payload = self.disk.read(key) if self.disk is not None else None
+            if payload is None:
+                break
+            found.append((key, DiskTier.name, as_uint8(payload)))
+        return found
+
+    def stage(self, alloc: Allocation) -> list[tuple[BlockKey, torch.Tensor]]:
+        """Copy the evicted blocks' bytes aside: their blocks are about to be overwritten."""
+        num = len(alloc.evicted)
+        if num > len(self._staging):
+            self._staging = torch.zeros((num, self.arena.block_bytes), dtype=torch.uint8, pin_memory=_pinned())
+        for row, block_id in enumerate(alloc.evicted_block_ids):
+            self._staging[row].copy_(self.block(block_id))
+        return list(zip(alloc.evicted, self._staging[:num]))
+
+    def lift(self, block_id: int, source: Source, changes: TierChanges) -> None:
+        """Copy one run block into device block `block_id`; host gives its copy up."""
+        key, tier, payload = source
+        self.block(block_id).copy_(payload, non_blocking=payload.is_pinned())
+        if tier == HOST:
+            self.host.remove(key)
+            changes.remove(HOST, key)
+
+    def settle(self, victims: list[tuple[BlockKey, torch.Tensor]], changes: TierChanges) -> None:
+        """After a lift: wait for the copies (host slots are reused), then demote the staged victims."""
+        if self.arena.device.type == "cuda":
+            torch.cuda.synchronize(self.arena.device)
+        for key, payload in victims:
+            changes.remove(DEVICE, key)
+            self._demote(0, key, payload, changes)
+
+    def lookup(self, keys: Sequence[BlockKey], device: Mapping[BlockKey, int]) -> TierHits:
+        """Host and SSD lengths of the run in `keys` (which starts after the device prefix)."""
         host = disk = 0
-        for key in keys[num_device:]:
-            if key in self.pool.index:
+        for key in keys:
+            if key in device:
                 break
             if self.host is not None and key in self.host:
                 host += 1
@@ -104,25 +191,18 @@ class TieredPool:
                 disk += 1
             else:
                 break
-        return TierHits(num_device, host, disk)
+        return TierHits(0, host, disk)
 
-    def promote(self, keys: Sequence[BlockKey]) -> TierChanges:
-        """Bring the lower-tier run after the device prefix of `keys` up to the device.
+    def tier_of(self, key: BlockKey) -> str | None:
+        return next((tier.name for tier in self.lower if key in tier), None)
 
-        Promotes as many blocks as the pool can give (fewer under pressure,
-        none when every free block is pinned or resident). A corrupt SSD
-        block ends the run: it is a miss, never wrong KV.
-        """
-        changes = TierChanges()
-        device = self.pool.match(keys)
-        self.pool.touch(device)  # the prefix being extended must not be evicted to make room
-        try:
-            sources = self._lower_run(keys[len(device) :])
-            if sources:
-                self._copy_up(sources, changes)
-        finally:
-            self.pool.free(device)
-        return changes
+    def entries(self) -> list[tuple[BlockKey, str]]:
+        """Every key held below the device, in its fastest lower tier."""
+        seen: dict[BlockKey, str] = {}
+        for tier in self.lower:
+            for key in list(tier.index):  # list() of a dict is one C call: safe against the SSD writer thread
+                seen.setdefault(key, tier.name)
+        return list(seen.items())
 
     def collect(self) -> TierChanges:
         """SSD writes and evictions finished since the last call."""
@@ -135,60 +215,22 @@ class TieredPool:
                 changes.remove(DiskTier.name, key)
         return changes
 
-    def tier_of(self, key: BlockKey) -> str | None:
-        """The fastest tier holding `key` (what the index should advertise)."""
-        if key in self.pool.index:
-            return DEVICE
-        return next((tier.name for tier in self.lower if key in tier), None)
+    def scan(self) -> list[BlockKey]:
+        """After a restart: index the valid SSD files."""
+        return self.disk.scan() if self.disk is not None else []
 
-    def _block(self, block_id: int) -> torch.Tensor:
+    def check_integrity(self) -> None:
+        # Not checked: host exclusive of the device. A lift keeps it so, but the engine may
+        # recompute and commit a block whose stale copy still sits in host (same key, same bytes).
+        if self.host is not None:
+            self.host.check_integrity()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    def block(self, block_id: int) -> torch.Tensor:
         return self.arena.view(block_id).reshape(-1).view(torch.uint8)
-
-    def _lower_run(self, keys: Sequence[BlockKey]) -> list[tuple[BlockKey, str, torch.Tensor]]:
-        """Sources of the run: host views, verified SSD payloads (a bad file ends it; collect() reports it)."""
-        run: list[tuple[BlockKey, str, torch.Tensor]] = []
-        for key in keys:
-            if key in self.pool.index:
-                break
-            if self.host is not None and key in self.host:
-                run.append((key, HostTier.name, self.host.view(key)))
-                continue
-            payload = self.disk.read(key) if self.disk is not None else None
-            if payload is None:
-                break
-            run.append((key, DiskTier.name, as_uint8(payload)))
-        return run
-
-    def _copy_up(self, sources: list[tuple[BlockKey, str, torch.Tensor]], changes: TierChanges) -> None:
-        try:
-            alloc = self.pool.allocate(len(sources))
-        except PoolExhausted as err:
-            if err.available == 0:
-                return
-            alloc = self.pool.allocate(err.available)
-        victims = self._stage(alloc)
-        for block_id, (key, tier, payload) in zip(alloc.block_ids, sources):
-            self._block(block_id).copy_(payload, non_blocking=payload.is_pinned())
-            assert self.pool.commit(block_id, key), "promoted a key the device already had"
-            changes.store(DEVICE, key)
-            if tier == HostTier.name:
-                self.host.remove(key)
-                changes.remove(HostTier.name, key)
-        if self.arena.device.type == "cuda":
-            torch.cuda.synchronize(self.arena.device)  # host slots are reused below
-        for key, payload in victims:
-            changes.remove(DEVICE, key)
-            self._demote(0, key, payload, changes)
-        self.pool.free(alloc.block_ids)
-
-    def _stage(self, alloc: Allocation) -> list[tuple[BlockKey, torch.Tensor]]:
-        """Copy the evicted blocks' bytes aside: their blocks are about to be overwritten."""
-        num = len(alloc.evicted)
-        if num > len(self._staging):
-            self._staging = torch.zeros((num, self.arena.block_bytes), dtype=torch.uint8, pin_memory=_pinned())
-        for row, block_id in enumerate(alloc.evicted_block_ids):
-            self._staging[row].copy_(self._block(block_id))
-        return list(zip(alloc.evicted, self._staging[:num]))
 
     def _demote(self, level: int, key: BlockKey, payload: torch.Tensor, changes: TierChanges) -> None:
         """Put a block into tier `level`, first pushing that tier's victims one level down."""

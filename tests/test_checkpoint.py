@@ -12,12 +12,13 @@ from cluster.engine.checkpoint import CheckpointError, load_checkpoint, random_m
 from cluster.engine.scheduler import Engine
 from cluster.engine.model_config import (ConfigError, ModelConfig, arena_shape_for, namespace_for, preset)
 from store.arena import KVArena
+from store.node_blocks import NodeBlocks
 from store.pool import BlockPool
 
 
 def last_logits(model, prompt):
     arena = KVArena(arena_shape_for(model.config, 16, 4), model.dtype)
-    engine = Engine(model, BlockPool(16), arena, namespace_for(model.config, model.dtype, 4))
+    engine = Engine(model, NodeBlocks(BlockPool(16)), arena, namespace_for(model.config, model.dtype, 4))
     return engine.prefill_logits(prompt)[0]
 
 

@@ -114,13 +114,13 @@ def test_evicting_a_middle_block_makes_the_rest_recompute(model):
     engine = make_engine(model)
     engine.generate(prompt, GREEDY)
     keys = chain(prompt, engine.namespace)
-    assert engine.pool.drop(keys[2])
+    assert engine.blocks.pool.drop(keys[2])
 
     logits, stats = engine.prefill_logits(prompt)
     assert stats.num_cached_tokens == 2 * BLOCK
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert engine.generate(prompt, GREEDY)[0] == ref_output
-    assert engine.pool.lookup(keys[2]) is not None, "the recomputed block is cached again"
+    assert engine.blocks.lookup(keys[2]) is not None, "the recomputed block is cached again"
     assert_clean(engine)
 
 

@@ -11,6 +11,7 @@ from cluster.engine.model_config import arena_shape_for, namespace_for, preset
 from cluster.engine.sampling import SamplingParams
 from store.arena import KVArena
 from store.keys import chain, chain_ids
+from store.node_blocks import NodeBlocks
 from store.pool import BlockPool
 from tests.engine_support import BLOCK, assert_clean, make_engine, tokens
 
@@ -30,7 +31,7 @@ def run(engine):
             outputs.setdefault(event.request_id, []).append(event.token)
             if event.finished:
                 finals[event.request_id] = event
-        engine.pool.check_integrity()
+        engine.blocks.check_integrity()
     return outputs, finals
 
 
@@ -130,11 +131,12 @@ def test_forward_touches_no_pool_and_the_pool_may_change_meanwhile(model):
     output = []
     while engine.has_work():
         batch = engine.schedule()
-        pool, engine.pool = engine.pool, PoolTripwire()
+        blocks, engine.blocks = engine.blocks, PoolTripwire()
         result = engine.forward(batch)
-        engine.pool = pool
-        other = pool.allocate(1)                     # the worker uses the pool while forward runs
-        pool.free(other.block_ids)
+        engine.blocks = blocks
+        other = blocks.acquire(())                   # the worker uses the pool while forward runs
+        blocks.allocate(other, 1)
+        blocks.release(other)
         output += [e.token for e in engine.finish(batch, result) if e.request_id == request_id]
     assert output == expected
     assert_clean(engine)
@@ -150,15 +152,15 @@ def test_pool_events_report_stored_and_evicted_keys(model):
     engine.generate(tokens(29, 61), SamplingParams(max_tokens=1))   # needs all 8 blocks
     stored, evicted = engine.take_pool_events()
     assert sorted(evicted) == sorted(chain(prompt, engine.namespace))
-    assert all(engine.pool.lookup(key) is not None for key in stored)
+    assert all(engine.blocks.lookup(key) is not None for key in stored)
     engine.generate(prompt, SamplingParams(max_tokens=1))           # stores prompt's keys again ...
     engine.generate(tokens(29, 63), SamplingParams(max_tokens=1))   # ... and evicts them in the same interval
     stored, evicted = engine.take_pool_events()
     assert set(chain(prompt, engine.namespace)) <= set(evicted)     # the latest event wins
     assert stored == chain(tokens(29, 63), engine.namespace)
     assert not set(stored) & set(evicted)
-    assert all(engine.pool.lookup(key) is not None for key in stored)
-    assert all(engine.pool.lookup(key) is None for key in evicted)
+    assert all(engine.blocks.lookup(key) is not None for key in stored)
+    assert all(engine.blocks.lookup(key) is None for key in evicted)
     assert_clean(engine)
 
 
@@ -167,10 +169,10 @@ def test_keys_given_by_the_caller_are_used_as_is(model):
     prompt = tokens(13, 70)
     opaque = chain_ids([7, 8, 9], engine.namespace)
     engine.generate(prompt, GREEDY, keys=opaque)
-    assert [engine.pool.lookup(k) is not None for k in opaque] == [True] * 3
+    assert [engine.blocks.lookup(k) is not None for k in opaque] == [True] * 3
     _, stats = engine.generate(prompt, GREEDY, keys=opaque[:2])   # block 2 chained from opaque[1] by tokens
     assert stats.num_cached_tokens == 8
-    assert engine.pool.lookup(chain(prompt[8:12], engine.namespace)[0]) is None
+    assert engine.blocks.lookup(chain(prompt[8:12], engine.namespace)[0]) is None
     assert engine.take_pool_events()[0][-1] not in opaque
     with pytest.raises(ValueError, match="4 keys given"):
         engine.submit(prompt, GREEDY, keys=chain_ids([1, 2, 3, 4], engine.namespace))
@@ -213,10 +215,10 @@ def test_bfloat16_engine_reuses_its_cache(model):
 def test_engine_rejects_an_arena_or_namespace_of_another_model(model):
     config = model.config
     with pytest.raises(ValueError, match="dtypes differ"):
-        Engine(model, BlockPool(4), KVArena(arena_shape_for(config, 4, BLOCK)),
+        Engine(model, NodeBlocks(BlockPool(4)), KVArena(arena_shape_for(config, 4, BLOCK)),
                namespace_for(config, torch.bfloat16, BLOCK))
     with pytest.raises(ValueError, match="does not fit the model"):
-        Engine(model, BlockPool(4), KVArena(arena_shape_for(config, 4, BLOCK * 2)),
+        Engine(model, NodeBlocks(BlockPool(4)), KVArena(arena_shape_for(config, 4, BLOCK * 2)),
                namespace_for(config, torch.float32, BLOCK))
     with pytest.raises(ValueError, match="decodes would starve prefill"):
         make_engine(model, chunk_size=4, max_batch_size=8)

@@ -1,4 +1,4 @@
-"""Fetch while queued: a request whose plan names a fetch queues at once, held, and is
+"""Fetch while queued: a request whose plan names a fetch queues at once, deferred, and is
 admitted in its place when the fetch ends, so the transfer overlaps the wait.
 
 The engine test is a state machine over a real tiny model. The worker test uses a real
@@ -31,30 +31,30 @@ def _drain(engine) -> dict[int, list[int]]:
     while engine.has_work():
         for event in engine.step():
             outputs.setdefault(event.request_id, []).append(event.token)
-        engine.pool.check_integrity()
+        engine.blocks.check_integrity()
     return outputs
 
 
-def test_a_held_request_keeps_its_place_and_is_passed_over_until_released(model):
+def test_a_deferred_request_keeps_its_place_and_is_passed_over_until_resumed(model):
     engine = make_engine(model, max_batch_size=2)
-    held = engine.submit(tokens(9, 1), GREEDY, held=True)
+    deferred = engine.submit(tokens(9, 1), GREEDY, deferred=True)
     later = engine.submit(tokens(9, 2), GREEDY)
     engine.step()
     assert [s.request_id for s in engine.running] == [later] and engine.num_queued == 1
-    engine.release(held)
+    engine.resume(deferred)
     outputs = _drain(engine)
-    assert set(outputs) == {held, later}
+    assert set(outputs) == {deferred, later}
     plain = make_engine(model)
     alone = plain.submit(tokens(9, 1), GREEDY)
-    assert _drain(plain)[alone] == outputs[held]  # holding changes when, never what
+    assert _drain(plain)[alone] == outputs[deferred]  # deferring changes when, never what
     assert_clean(engine)
 
 
-def test_a_held_request_can_be_aborted(model):
+def test_a_deferred_request_can_be_aborted(model):
     engine = make_engine(model)
-    held = engine.submit(tokens(9, 3), GREEDY, held=True)
-    assert engine.abort(held) and not engine.has_work()
-    engine.release(held)  # releasing what is gone is harmless
+    deferred = engine.submit(tokens(9, 3), GREEDY, deferred=True)
+    assert engine.abort(deferred) and not engine.has_work()
+    engine.resume(deferred)  # resuming what is gone is harmless
     assert_clean(engine)
 
 
@@ -70,7 +70,7 @@ class _StalledFetcher:
         self.started = asyncio.Event()
         self.fail = asyncio.Event()
 
-    async def fetch(self, url, keys, pool, arena, deadline_s):
+    async def fetch(self, url, keys, blocks, arena, *, deadline_s):
         self.started.set()
         await self.fail.wait()
         raise TransferError("peer went away")
@@ -95,8 +95,8 @@ def test_worker_queues_a_fetching_request_before_its_transfer_ends(model):
             assert engine.num_queued == 1  # queued while its blocks are still on the way
             other = await _collect(worker.generate(GenerateRequest(request_id="o", tokens=tokens(10, 8),
                                                                    sampling=GREEDY)))
-            assert len(other) == 3 and not fetching.done()  # a later request went past the held one
-            fetcher.fail.set()  # the transfer fails: the held request recomputes
+            assert len(other) == 3 and not fetching.done()  # a later request went past the deferred one
+            fetcher.fail.set()  # the transfer fails: the deferred request recomputes
             got = await asyncio.wait_for(fetching, 60)
             oracle = await _collect(worker.generate(GenerateRequest(request_id="c", tokens=prompt, sampling=GREEDY)))
             assert got == oracle and len(got) == 3

@@ -14,18 +14,20 @@ ALLOWED = {
 
 
 # cluster's wings: which other wings each may import (deploy sits on top of them all).
-WINGS = ("engine", "meta", "node", "replay", "deploy")
+WINGS = ("engine", "meta", "node", "replay", "vllm", "deploy")
 WING_ALLOWED = {
     "engine": set(),
     "meta": set(),
     "node": {"engine", "meta"},
     "replay": set(),
-    "deploy": {"engine", "meta", "node", "replay"},
+    "vllm": {"meta"},  # a vLLM node is registered and published like ours, through meta; no engine, no node
+    "deploy": {"engine", "meta", "node", "replay", "vllm"},
 }
 # what of router/ a wing may use: the engine and a node only the contracts they implement.
 ROUTER_ALLOWED = {
     "engine": {"router.contract"},
     "node": {"router.contract"},
+    "vllm": set(),  # the sidecar speaks vLLM's and etcd's formats, none of the router's
 }
 
 

@@ -1,6 +1,7 @@
 """Kubernetes manifests: every overlay renders, validates strictly, and passes only settings the CLI accepts."""
 
 import dataclasses
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,13 +13,14 @@ import yaml
 from cluster.deploy.cli import build_parser
 from cluster.deploy.router_settings import RouterSettings
 from cluster.deploy.settings import env_name
+from cluster.deploy.vllm_node_settings import VllmNodeSettings
 from cluster.deploy.worker_settings import WorkerSettings
 
 MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
-OVERLAYS = ["base", "overlays/cpu", "overlays/kuberay"]
-SETTINGS_OF = {"worker": WorkerSettings, "router": RouterSettings, "ray": RouterSettings}
+OVERLAYS = ["base", "overlays/cpu", "overlays/kuberay", "overlays/vllm"]
+SETTINGS_OF = {"worker": WorkerSettings, "router": RouterSettings, "ray": RouterSettings, "vllm-node": VllmNodeSettings}
 # Variables the image itself or Kubernetes' downward API needs, not prefixpool settings.
-NOT_SETTINGS = {"POD_NAME"}
+NOT_SETTINGS = {"POD_NAME", "POD_IP"}
 
 
 def render(overlay: str) -> list[dict]:
@@ -123,4 +125,26 @@ def test_every_worker_advertises_its_pod_ip_and_no_address_is_loopback(overlay):
             runs_workers += 1
             advertise = env["PREFIXPOOL_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"]
             assert advertise == "status.podIP", container["name"]
+        elif args[0] == "vllm-node":  # the sidecar advertises its vLLM server's URL, built on the pod IP
+            runs_workers += 1
+            assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+            assert "$(POD_IP)" in values["PREFIXPOOL_VLLM_URL"], values["PREFIXPOOL_VLLM_URL"]
     assert runs_workers >= 1
+
+
+def test_the_vllm_overlay_pairs_each_vllm_server_with_its_sidecar():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render("overlays/vllm")}
+    assert ("StatefulSet", "worker") not in docs  # vLLM pods replace our workers
+    pod = docs[("StatefulSet", "vllm")]["spec"]["template"]["spec"]
+    vllm, sidecar = (next(c for c in pod["containers"] if c["name"] == n) for n in ("vllm", "sidecar"))
+    kv_config = json.loads(next(a for a in vllm["args"] if a.startswith("--kv-events-config=")).split("=", 1)[1])
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    common = next(d for d in docs.values() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "prefixpool-common")
+    assert kv_config["enable_kv_cache_events"] and sidecar["args"] == ["vllm-node"]
+    assert env["PREFIXPOOL_KV_EVENTS"].rsplit(":", 1)[1] == kv_config["endpoint"].rsplit(":", 1)[1]
+    assert env["PREFIXPOOL_REPLAY_ENDPOINT"].rsplit(":", 1)[1] == kv_config["replay_endpoint"].rsplit(":", 1)[1]
+    assert env["PREFIXPOOL_KV_TOPIC"] == kv_config["topic"]
+    # the sidecar's namespace must be the one vLLM hashes: same served model and block size
+    assert f"--served-model-name={common['data']['PREFIXPOOL_MODEL']}" in vllm["args"]
+    assert f"--block-size={common['data']['PREFIXPOOL_BLOCK_SIZE']}" in vllm["args"]
+    assert "--enable-prompt-tokens-details" in vllm["args"]  # vLLM reports cached_tokens only with it

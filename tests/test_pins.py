@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from store.keys import Namespace, chain
+from store.node_blocks import NodeBlocks
 from store.pins import PrefixPins
 from store.pool import BlockPool, PoolExhausted
 
@@ -100,13 +101,13 @@ def test_repinning_extends_and_never_shortens():
 def test_named_pins_share_keys_and_the_longest_wins():
     clock = Clock()
     pool = BlockPool(8, clock=clock)
-    pins = PrefixPins(pool)
+    pins = NodeBlocks(pool)
     system = chain([1, 2, 3], NS)
     fill(pool, system)
     pins.pin("a", system, ttl_s=100.0)
     pins.pin("b", system[:2], ttl_s=10.0)
     pins.unpin("a")
-    pool.check_integrity()
+    pins.check_integrity()
     assert set(pool.pins) == set(system[:2])  # "b" still wants the head
     assert all(pool.pins[k].expires_at == 10.0 for k in system[:2])  # shortened to b's deadline
     clock.now = 10.0
@@ -119,14 +120,14 @@ def test_named_pins_share_keys_and_the_longest_wins():
 def test_soft_pins_protect_the_most_hit_prefix_up_to_the_budget():
     clock = Clock()
     pool = BlockPool(6, clock=clock)
-    pins = PrefixPins(pool, soft_budget_blocks=2, soft_ttl_s=30.0)
+    pins = NodeBlocks(pool, pins=PrefixPins(soft_budget_blocks=2, soft_ttl_s=30.0))
     hot = chain([1, 2, 3], NS)
     warm = chain([7, 8], NS)
     fill(pool, hot)
     fill(pool, warm)
     for _ in range(5):
-        pins.record_hits(hot[: len(fill(pool, hot))])
-    pins.record_hits(warm[: len(pool.match(warm))])
+        pins.pins.record_hits(hot[: len(fill(pool, hot))])
+    pins.pins.record_hits(warm[: len(pool.match(warm))])
     change = pins.refresh_soft()
     assert change.pinned == sorted(hot[:2]) and change.unpinned == []
     pool.check_integrity()
@@ -134,7 +135,7 @@ def test_soft_pins_protect_the_most_hit_prefix_up_to_the_budget():
     assert len(pool.match(hot)) == 2  # the head, within the budget, survived; the tail did not
     assert pool.match(warm) == []
     for _ in range(9):
-        pins.record_hits(chain([50, 51], NS))
+        pins.pins.record_hits(chain([50, 51], NS))
     change = pins.refresh_soft()
     assert change.unpinned == sorted(hot[:2])
     assert set(pool.pins) == set(chain([50, 51], NS))  # pending: not cached
@@ -145,8 +146,7 @@ def test_soft_pins_protect_the_most_hit_prefix_up_to_the_budget():
 
 
 def test_hit_counts_age_when_the_table_is_full():
-    pool = BlockPool(2)
-    pins = PrefixPins(pool, soft_budget_blocks=1, max_tracked=4)
+    pins = PrefixPins(soft_budget_blocks=1, max_tracked=4)
     hot = chain([1], NS)
     for _ in range(10):
         pins.record_hits(hot)
@@ -161,7 +161,7 @@ def test_hit_counts_age_when_the_table_is_full():
 def test_pins_and_requests_keep_the_pool_consistent(ops):
     clock = Clock()
     pool = BlockPool(6, clock=clock)
-    pins = PrefixPins(pool, soft_budget_blocks=2, soft_ttl_s=7.0)
+    pins = NodeBlocks(pool, pins=PrefixPins(soft_budget_blocks=2, soft_ttl_s=7.0))
     for op, x in ops:
         keys = chain([x, x + 1, x + 2][: 1 + x % 3], NS)
         if op == "pin":
@@ -170,7 +170,7 @@ def test_pins_and_requests_keep_the_pool_consistent(ops):
             pins.unpin(f"p{x % 2}")
         elif op == "req":
             try:
-                pins.record_hits(keys[: len(fill(pool, keys))])
+                pins.pins.record_hits(keys[: len(fill(pool, keys))])
             except PoolExhausted:
                 pass
         elif op == "tick":

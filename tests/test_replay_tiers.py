@@ -24,7 +24,7 @@ def test_node_demotes_to_host_then_ssd_and_promotes_back():
     node.store([key(0), key(1)])  # an SSD hit promoted; 4, 5 demoted push 2, 3 down, and 0, 1 off the SSD
     assert [node.tier_of(key(i)) for i in range(6)] == ["device", "device", "disk", "disk", "host", "host"]
     assert list(node.disk) == [key(3), key(2)]
-    node.pool.check_integrity()
+    node.blocks.check_integrity()
 
 
 def test_device_only_node_drops_what_it_evicts():

@@ -26,6 +26,7 @@ from scripts.chaos_faults import cluster_for, wait_ready
 from scripts.chaos_client import ApiClient
 from store.arena import KVArena
 from store.keys import chain
+from store.node_blocks import NodeBlocks
 from store.pool import BlockPool
 from transfer.errors import Unauthorized
 from transfer.fetcher import fetch
@@ -100,12 +101,12 @@ def test_transfer_port_refuses_peers_without_the_token(cluster):
     async def fetch_all(token: str) -> int:
         got = 0
         for url in urls:
-            pool = BlockPool(16)
+            blocks = NodeBlocks(BlockPool(16))
             arena = KVArena(arena_shape_for(config, 16, 16), torch.float32, torch.device("cpu"))
-            result = await fetch(url, keys, pool, arena, deadline_s=10, token=token)
+            result = await fetch(url, keys, blocks, arena, deadline_s=10, token=token)
             got += len(result.keys)
-            pool.free(result.block_ids)
-            pool.check_integrity()
+            blocks.release(result.hold)
+            blocks.check_integrity()
         return got
     for token in ("", "wrong"):
         with pytest.raises(Unauthorized):

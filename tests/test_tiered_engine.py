@@ -13,8 +13,9 @@ from store.arena import KVArena
 from store.disk_tier import DiskTier
 from store.host_tier import HostTier
 from store.keys import chain
+from store.node_blocks import NodeBlocks
 from store.pool import BlockPool
-from store.tiers import TieredPool
+from store.tiers import NoTiers, TierChain
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -39,16 +40,9 @@ def make_engine(model, num_blocks=16, host_blocks=0, disk_dir=None, min_residenc
     pool = BlockPool(num_blocks, min_residency_s, clock or Clock())
     host = HostTier(host_blocks, arena.block_bytes) if host_blocks else None
     disk = DiskTier(disk_dir, arena.block_bytes, 256) if disk_dir else None
-    tiers = TieredPool(pool, arena, host, disk)
-    changes = []
-
-    def allocate(num):
-        alloc, tier_changes = tiers.allocate(num)
-        changes.append(tier_changes)
-        return alloc
-
-    engine = Engine(model, pool, arena, namespace_for(config, model.dtype, BLOCK), allocate=allocate)
-    return engine, tiers, changes
+    tiers = NodeBlocks(pool, TierChain(arena, host, disk) if (host, disk) != (None, None) else None)
+    engine = Engine(model, tiers, arena, namespace_for(config, model.dtype, BLOCK))
+    return engine, tiers, tiers.take_changes
 
 
 def tokens(n, seed):
@@ -69,10 +63,10 @@ def flush_device(engine, seed):
 
 def test_plain_allocator_is_the_default(model):
     config = model.config
-    pool = BlockPool(8)
-    engine = Engine(model, pool, KVArena(arena_shape_for(config, 8, BLOCK), model.dtype),
+    blocks = NodeBlocks(BlockPool(8))
+    engine = Engine(model, blocks, KVArena(arena_shape_for(config, 8, BLOCK), model.dtype),
                     namespace_for(config, model.dtype, BLOCK))
-    assert engine.allocate == pool.allocate
+    assert isinstance(engine.blocks.tiers, NoTiers)  # allocation is the pool's: nothing is demoted
 
 
 def test_prefix_promoted_from_host_equals_recompute(model):
@@ -81,15 +75,15 @@ def test_prefix_promoted_from_host_equals_recompute(model):
     keys = chain(prompt, engine.namespace)
     first, _ = engine.generate(prompt, GREEDY)
     flush_device(engine, seed=100)
-    assert tiers.lookup(keys).host == len(keys), "the prompt's blocks were demoted to host"
-    assert any(c.stored.get("host") for c in changes)
+    assert tiers.tier_hits(keys).host == len(keys), "the prompt's blocks were demoted to host"
+    assert changes().stored.get("host")
     promoted = tiers.promote(keys)
     assert promoted.stored["device"] == keys and promoted.removed["host"] == keys
     again, stats = engine.generate(prompt, GREEDY)
     assert stats.num_cached_tokens == len(keys) * BLOCK
     assert again == first == cold_output(model, prompt)
-    tiers.pool.check_integrity()
-    tiers.host.check_integrity()
+    tiers.check_integrity()
+    tiers.tiers.host.check_integrity()
 
 
 def test_prefix_promoted_from_disk_equals_recompute(model, tmp_path):
@@ -98,13 +92,13 @@ def test_prefix_promoted_from_disk_equals_recompute(model, tmp_path):
     keys = chain(prompt, engine.namespace)
     first, _ = engine.generate(prompt, GREEDY)
     flush_device(engine, seed=200)
-    tiers.disk.flush()
-    assert tiers.lookup(keys).disk == len(keys)
+    tiers.tiers.disk.flush()
+    assert tiers.tier_hits(keys).disk == len(keys)
     assert set(keys) <= set(tiers.collect().stored["disk"])
     tiers.promote(keys)
     again, stats = engine.generate(prompt, GREEDY)
     assert stats.num_cached_tokens == len(keys) * BLOCK and again == first
-    tiers.disk.close()
+    tiers.close()
 
 
 def test_truncated_disk_block_is_recomputed(model, tmp_path):
@@ -113,15 +107,15 @@ def test_truncated_disk_block_is_recomputed(model, tmp_path):
     keys = chain(prompt, engine.namespace)
     first, _ = engine.generate(prompt, GREEDY)
     flush_device(engine, seed=300)
-    tiers.disk.flush()
-    path = tiers.disk.path(keys[3])
+    tiers.tiers.disk.flush()
+    path = tiers.tiers.disk.path(keys[3])
     path.write_bytes(path.read_bytes()[:100])
     promoted = tiers.promote(keys)
     assert promoted.stored["device"] == keys[:3], "the run ends at the truncated block"
     assert keys[3] in tiers.collect().removed["disk"]
     again, stats = engine.generate(prompt, GREEDY)
     assert stats.num_cached_tokens == 3 * BLOCK and again == first
-    tiers.disk.close()
+    tiers.close()
 
 
 def test_residency_makes_admission_wait_then_proceed(model):
@@ -134,16 +128,16 @@ def test_residency_makes_admission_wait_then_proceed(model):
     clock.now = 11.0
     while engine.has_work():
         engine.step()
-    tiers.pool.check_integrity()
+    tiers.check_integrity()
 
 
 def test_pins_holding_the_pool_refuse_with_a_clear_reason(model):
     engine, tiers, _ = make_engine(model, num_blocks=12)
     prompt = tokens(40, seed=3)
     engine.generate(prompt, GREEDY)
-    engine.pool.pin(chain(prompt, engine.namespace), ttl_s=60)
+    engine.blocks.pin("prompt", chain(prompt, engine.namespace), ttl_s=60)
     request_id = engine.submit(tokens(40, seed=4), GREEDY)
     assert not engine.schedule().spans and not engine.has_work()
     [(refused_id, reason)] = engine.take_refused()
     assert refused_id == request_id and "pinned" in reason
-    tiers.pool.check_integrity()
+    tiers.check_integrity()

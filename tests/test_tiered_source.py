@@ -6,14 +6,13 @@ import asyncio
 
 import torch
 
-from cluster.node.tiers import NodeTiers, by_tier
-from cluster.node.tiered_source import TieredSource
 from store.arena import ArenaShape, KVArena
 from store.disk_tier import DiskTier
 from store.host_tier import HostTier
 from store.keys import Namespace, chain_ids
+from store.node_blocks import NodeBlocks
 from store.pool import BlockPool
-from store.tiers import TieredPool
+from store.tiers import TierChain
 from transfer import fetch, serve
 
 SHAPE = ArenaShape(num_blocks=8, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
@@ -26,7 +25,7 @@ def test_fetch_serves_host_and_ssd_blocks(tmp_path):
 async def _fetch_from_lower_tiers(tmp_path):
     arena = KVArena(SHAPE)
     disk = DiskTier(tmp_path, arena.block_bytes, 16)
-    tiers = NodeTiers(TieredPool(BlockPool(8), arena, HostTier(4, arena.block_bytes), disk))
+    tiers = NodeBlocks(BlockPool(8), TierChain(arena, HostTier(4, arena.block_bytes), disk))
     keys = chain_ids(list(range(6)), Namespace("m", block_size=4))
     payloads = [torch.full((arena.block_bytes,), i + 1, dtype=torch.uint8) for i in range(6)]
     for key, payload in zip(keys[:3], payloads[:3]):
@@ -35,9 +34,9 @@ async def _fetch_from_lower_tiers(tmp_path):
         disk.put(key, payload)
     disk.flush()
     tiers.collect()
-    tiers.take_touched()
-    server = await serve(tiers.pool, arena, source=TieredSource(tiers, arena))
-    receiver_pool, receiver_arena = BlockPool(8), KVArena(SHAPE)
+    tiers.take_changes()
+    server = await serve(tiers, arena)  # the plain source: it promotes through the node's blocks
+    receiver_pool, receiver_arena = NodeBlocks(BlockPool(8)), KVArena(SHAPE)
     try:
         result = await fetch(server.url, keys, receiver_pool, receiver_arena, deadline_s=5.0)
     finally:
@@ -46,7 +45,8 @@ async def _fetch_from_lower_tiers(tmp_path):
     assert result.keys == keys
     for block_id, payload in zip(result.block_ids, payloads):
         assert bytes(receiver_arena.read_bytes(block_id)) == bytes(payload.numpy())
-    receiver_pool.free(result.block_ids)
-    stored, removed = by_tier(tiers, tiers.take_touched())
+    receiver_pool.release(result.hold)
+    receiver_pool.check_integrity()
+    stored, removed = tiers.placement(tiers.take_changes().keys())
     assert stored == {"device": keys} and removed == []
-    tiers.pool.check_integrity()
+    tiers.check_integrity()

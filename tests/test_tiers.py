@@ -8,8 +8,9 @@ from store.arena import ArenaShape, KVArena
 from store.disk_tier import DiskTier
 from store.host_tier import HostTier
 from store.keys import Namespace, chain
+from store.node_blocks import NodeBlocks
 from store.pool import BlockPool
-from store.tiers import TieredPool, TierHits
+from store.tiers import TierChain, TierHits
 
 NS = Namespace("tiers", block_size=1)
 SHAPE = dict(num_layers=2, block_size=2, num_kv_heads=1, head_dim=4)
@@ -20,7 +21,7 @@ def make(num_device, num_host, num_disk, directory=None, residency=0.0):
     pool = BlockPool(num_device, min_residency_s=residency)
     host = HostTier(num_host, arena.block_bytes, pin_memory=False) if num_host else None
     disk = DiskTier(directory, arena.block_bytes, num_disk) if num_disk else None
-    return TieredPool(pool, arena, host, disk)
+    return NodeBlocks(pool, TierChain(arena, host, disk))
 
 
 def kv_of(key) -> torch.Tensor:
@@ -30,28 +31,29 @@ def kv_of(key) -> torch.Tensor:
 
 
 def compute(tiered, keys):
-    """What the engine does: promote, match, allocate the rest, write real KV, commit, free."""
+    """What the engine does: promote, acquire, allocate the rest, write real KV, commit, release."""
     changes = [tiered.promote(keys)]
-    pool = tiered.pool
-    hit = pool.match(keys)
-    pool.touch(hit)
+    tiered.take_changes()
+    arena = tiered.tiers.arena
+    hold = tiered.acquire(keys)
+    hit = list(hold.block_ids)
     for block_id, key in zip(hit, keys):
-        assert torch.equal(tiered.arena.view(block_id), kv_of(key)), "a hit returned wrong KV"
-    alloc, evictions = tiered.allocate(len(keys) - len(hit))
-    changes.append(evictions)
-    for block_id, key in zip(alloc.block_ids, keys[len(hit):]):
-        tiered.arena.view(block_id).copy_(kv_of(key))
-        pool.commit(block_id, key)
-    pool.free(hit + alloc.block_ids)
+        assert torch.equal(arena.view(block_id), kv_of(key)), "a hit returned wrong KV"
+    tiered.allocate(hold, len(keys) - len(hit))
+    changes.append(tiered.take_changes())
+    for index in range(len(hit), len(keys)):
+        arena.view(hold.block_ids[index]).copy_(kv_of(keys[index]))
+    tiered.commit(hold, len(hit), keys[len(hit):])
+    tiered.release(hold)
     check(tiered)
     return len(hit), changes
 
 
 def check(tiered):
-    tiered.pool.check_integrity()
-    if tiered.host is not None:
-        tiered.host.check_integrity()
-        assert not set(tiered.host.index) & set(tiered.pool.index), "host is exclusive of the device"
+    tiered.check_integrity()
+    if tiered.tiers.host is not None:
+        tiered.tiers.host.check_integrity()
+        assert not set(tiered.tiers.host.index) & set(tiered.pool.index), "host is exclusive of the device"
 
 
 def test_demote_then_promote_returns_identical_bytes(tmp_path):
@@ -60,12 +62,12 @@ def test_demote_then_promote_returns_identical_bytes(tmp_path):
     compute(tiered, a)
     _, changes = compute(tiered, b)  # evicts a (tail first) to host
     assert changes[1].removed["device"] == [a[1], a[0]] and changes[1].stored["host"] == [a[1], a[0]]
-    assert tiered.lookup(a) == TierHits(0, 2, 0)
+    assert tiered.tier_hits(a) == TierHits(0, 2, 0)
     changes = tiered.promote(a)
     assert changes.stored["device"] == a and changes.removed["host"] == a
     assert sorted(changes.stored["host"]) == sorted(b)  # b went down to make room
     for block_id, key in zip(tiered.pool.match(a), a):
-        assert torch.equal(tiered.arena.view(block_id), kv_of(key))
+        assert torch.equal(tiered.tiers.arena.view(block_id), kv_of(key))
     check(tiered)
 
 
@@ -74,31 +76,31 @@ def test_host_victims_go_to_ssd_and_come_back_identical(tmp_path):
     prompts = [chain([10 * i, 10 * i + 1], NS) for i in range(4)]
     for keys in prompts:
         compute(tiered, keys)
-    tiered.disk.flush()
+    tiered.tiers.disk.flush()
     assert sorted(tiered.collect().stored["disk"]) == sorted(prompts[0] + prompts[1])
-    assert tiered.lookup(prompts[0]) == TierHits(0, 0, 2)
-    assert tiered.lookup(prompts[2]) == TierHits(0, 2, 0)
+    assert tiered.tier_hits(prompts[0]) == TierHits(0, 0, 2)
+    assert tiered.tier_hits(prompts[2]) == TierHits(0, 2, 0)
     hit, _ = compute(tiered, prompts[0])  # asserts the bytes inside
     assert hit == 2
     assert tiered.tier_of(prompts[0][0]) == "device"
-    tiered.disk.close()
+    tiered.tiers.disk.close()
 
 
 def test_a_corrupt_ssd_block_is_a_miss_and_is_recomputed(tmp_path):
     tiered = make(2, 0, 8, tmp_path)  # no host tier: the device demotes straight to SSD
-    assert tiered.host is None and [t.name for t in tiered.lower] == ["disk"]
+    assert tiered.tiers.host is None and [t.name for t in tiered.tiers.lower] == ["disk"]
     a, b = chain([1, 2], NS), chain([3, 4], NS)
     compute(tiered, a)
     compute(tiered, b)
-    tiered.disk.flush()
-    path = tiered.disk.path(a[1])
+    tiered.tiers.disk.flush()
+    path = tiered.tiers.disk.path(a[1])
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 0x01
     path.write_bytes(raw)
     hit, changes = compute(tiered, a)  # bytes of every hit are checked inside
     assert hit == 1 and changes[0].stored["device"] == [a[0]]
     assert a[1] in tiered.collect().removed["disk"]
-    tiered.disk.close()
+    tiered.tiers.disk.close()
 
 
 def test_restart_over_the_same_directory_hits_again(tmp_path):
@@ -107,15 +109,15 @@ def test_restart_over_the_same_directory_hits_again(tmp_path):
     compute(first, keys[:2])
     compute(first, keys[2:])
     compute(first, chain([9, 9], NS))
-    first.disk.flush()
-    on_disk = set(first.disk.index)
-    first.disk.close()
+    first.tiers.disk.flush()
+    on_disk = set(first.tiers.disk.index)
+    first.tiers.disk.close()
     second = make(2, 1, 8, tmp_path)  # a restarted worker: empty device and host
-    assert set(second.disk.scan()) == on_disk and len(on_disk) >= 3
-    assert second.lookup(keys).disk >= 1
+    assert set(second.tiers.disk.scan()) == on_disk and len(on_disk) >= 3
+    assert second.tier_hits(keys).disk >= 1
     hit, _ = compute(second, keys[:2])
     assert hit == 2 - sum(k not in on_disk for k in keys[:2])
-    second.disk.close()
+    second.tiers.disk.close()
 
 
 def test_promotion_under_full_protection_promotes_nothing_and_still_answers(tmp_path):
@@ -123,12 +125,12 @@ def test_promotion_under_full_protection_promotes_nothing_and_still_answers(tmp_
     a, b = chain([1, 2], NS), chain([3, 4], NS)
     compute(tiered, a)
     compute(tiered, b)
-    tiered.pool.pin(b, ttl_s=60.0)  # every device block is held
+    tiered.pin("b", b, ttl_s=60.0)  # every device block is held
     assert tiered.promote(a).stored == {}
-    assert tiered.lookup(a) == TierHits(0, 2, 0)
-    tiered.pool.unpin(b[1:])  # one block free: a partial promotion
+    assert tiered.tier_hits(a) == TierHits(0, 2, 0)
+    tiered.pin("b", b[:1], ttl_s=60.0)  # b[1] unpinned, one block free: a partial promotion
     assert tiered.promote(a).stored["device"] == [a[0]]
-    assert tiered.lookup(a) == TierHits(1, 1, 0)
+    assert tiered.tier_hits(a) == TierHits(1, 1, 0)
     check(tiered)
 
 
@@ -137,9 +139,9 @@ def test_promote_extends_the_device_prefix_without_evicting_it():
     keys = chain([1, 2, 3], NS)
     compute(tiered, keys)
     compute(tiered, chain([7, 8], NS))  # leaves keys[0] on the device, keys[1:] in host
-    assert tiered.lookup(keys) == TierHits(1, 2, 0)
+    assert tiered.tier_hits(keys) == TierHits(1, 2, 0)
     tiered.promote(keys)
-    assert tiered.lookup(keys) == TierHits(3, 0, 0)
+    assert tiered.tier_hits(keys) == TierHits(3, 0, 0)
     check(tiered)
 
 
@@ -151,4 +153,4 @@ def test_any_request_sequence_returns_right_kv_from_any_tier(tmp_path_factory, r
         for tokens in requests:
             compute(tiered, chain(tokens, NS))  # checks every hit's bytes and the integrity
     finally:
-        tiered.disk.close()
+        tiered.tiers.disk.close()

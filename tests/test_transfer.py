@@ -19,6 +19,7 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 from store.arena import ArenaShape, KVArena  # noqa: E402
 from store.keys import Namespace, chain_ids  # noqa: E402
+from store.node_blocks import NodeBlocks  # noqa: E402
 from store.pool import BlockPool  # noqa: E402
 from transfer import (  # noqa: E402
     BadPeerUrl,
@@ -41,20 +42,21 @@ def keys_for(count, start=0, model="m"):
 
 def node(num_blocks, **shape):
     dims = {**SHAPE, **shape}
-    return BlockPool(num_blocks), KVArena(ArenaShape(num_blocks, **dims))
+    return NodeBlocks(BlockPool(num_blocks)), KVArena(ArenaShape(num_blocks, **dims))
 
 
 def hold(pool, arena, keys, seed=0):
-    """Commit random bytes under `keys` in the holder's pool (cached, unpinned); returns them."""
+    """Commit random bytes under `keys` in the holder's blocks (`pool`: a NodeBlocks; cached, unheld); returns them."""
     generator = torch.Generator().manual_seed(seed)
     blocks = []
-    allocation = pool.allocate(len(keys))
-    for key, block_id in zip(keys, allocation.block_ids):
+    held = pool.acquire(())
+    pool.allocate(held, len(keys))
+    for index, (key, block_id) in enumerate(zip(keys, held.block_ids)):
         data = torch.randint(0, 256, (arena.block_bytes,), dtype=torch.uint8, generator=generator)
         arena.write_bytes(block_id, data.numpy().tobytes())
-        assert pool.commit(block_id, key)
+        assert pool.commit(held, index, [key]) == [key]
         blocks.append(data.numpy().tobytes())
-    pool.free(allocation.block_ids)
+    pool.release(held)
     return blocks
 
 
@@ -64,14 +66,14 @@ def assert_received(result, pool, arena, keys, blocks):
     for key, block_id, data in zip(result.keys, result.block_ids, blocks):
         assert bytes(arena.read_bytes(block_id)) == data
         assert pool.lookup(key) == block_id
-        assert pool.ref_count[block_id] == 1
+        assert pool.pool.ref_count[block_id] == 1
     pool.check_integrity()
 
 
 def release(result, pool):
-    pool.free(result.block_ids)
+    pool.release(result.hold)
     pool.check_integrity()
-    assert sum(pool.ref_count) == 0
+    assert sum(pool.pool.ref_count) == 0
 
 
 def url(transport):
@@ -94,7 +96,7 @@ def test_bytes_received_equal_bytes_sent(transport, count, shape):
         assert result.num_blocks == count and result.num_bytes == count * arena.block_bytes
         assert_received(result, pool, arena, keys, blocks)
         release(result, pool)
-        assert sum(holder_pool.ref_count) == 0
+        assert sum(holder_pool.pool.ref_count) == 0
         holder_pool.check_integrity()
 
     asyncio.run(run())
@@ -102,7 +104,7 @@ def test_bytes_received_equal_bytes_sent(transport, count, shape):
 
 def assert_clean(pool, pinned=0):
     pool.check_integrity()
-    assert sum(pool.ref_count) == pinned
+    assert sum(pool.pool.ref_count) == pinned
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -132,7 +134,7 @@ def test_concurrent_fetches_from_several_peers_reuse_connections(transport):
                 assert [r.keys for r in twins] == [shared, shared]
                 assert twins[0].block_ids == twins[1].block_ids  # one key, one live block
                 for result in results:
-                    pool.free(result.block_ids)
+                    pool.release(result.hold)
                 assert_clean(pool)
             assert all(fetcher.num_idle(s.url) >= 1 for s in servers)
         finally:
@@ -153,7 +155,7 @@ class EvictingSource(BlockSource):
         self.evict_at = evict_at
 
     async def pin(self, keys):
-        assert self.pool.drop(keys[self.evict_at])
+        assert self.blocks.pool.drop(keys[self.evict_at])
         return await super().pin(keys)
 
 
@@ -224,7 +226,7 @@ def test_corrupted_block_and_the_rest_are_rejected(transport):
     assert all(pool.lookup(key) is None for key in keys[3:])
     assert_clean(pool, pinned=3)
     release(result, pool)
-    assert pool.num_cached == 3
+    assert pool.pool.num_cached == 3
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -237,7 +239,7 @@ def test_stalled_holder_raises_timeout_and_leaves_no_pins(transport, stall_after
     assert caught.value.stored == keys[:stall_after]
     assert caught.value.evicted == []
     assert_clean(pool)
-    assert pool.num_cached == stall_after  # what arrived intact stays cached, unpinned
+    assert pool.pool.num_cached == stall_after  # what arrived intact stays cached, unpinned
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -351,11 +353,11 @@ def test_holder_killed_mid_stream_returns_what_arrived(transport):
 def test_cuda_arenas_send_and_receive_through_host_staging(transport):
     async def run():
         keys = keys_for(6)
-        holder_pool = BlockPool(8)
+        holder_pool = NodeBlocks(BlockPool(8))
         holder_arena = KVArena(ArenaShape(8, **SHAPE), device="cuda")
         blocks = hold(holder_pool, holder_arena, keys, seed=11)
         server = await serve(holder_pool, holder_arena, url(transport))
-        pool, arena = BlockPool(8), KVArena(ArenaShape(8, **SHAPE), device="cuda")
+        pool, arena = NodeBlocks(BlockPool(8)), KVArena(ArenaShape(8, **SHAPE), device="cuda")
         try:
             result = await fetch(server.url, keys, pool, arena, deadline_s=30)
         finally:

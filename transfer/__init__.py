@@ -1,7 +1,7 @@
 """Moving KV blocks between nodes: one framed protocol over TCP and UCX.
 
-    server = await serve(pool, arena, "tcp://127.0.0.1:0", token)   # holder
-    result = await fetch(server.url, keys, pool, arena, deadline_s=2.0, token=token)
+    server = await serve(blocks, arena, "tcp://127.0.0.1:0", token)   # holder
+    result = await fetch(server.url, keys, blocks, arena, deadline_s=2.0, token=token)
 
 Imports only `store`.
 """

@@ -1,7 +1,7 @@
 """Fault injection for chaos tests: a block source that corrupts what it serves, in transit.
 
-    source_for(pool, arena, corrupt_every=0)  -> the plain BlockSource (the null object: off)
-    source_for(pool, arena, corrupt_every=N)  -> CorruptingSource: every Nth block served
+    source_for(blocks, arena, corrupt_every=0)  -> the plain BlockSource (the null object: off)
+    source_for(blocks, arena, corrupt_every=N)  -> CorruptingSource: every Nth block served
                                                  leaves with one payload byte flipped AFTER
                                                  its checksum was computed, as a bad link would
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from store.arena import KVArena
-from store.pool import BlockPool
+from store.node_blocks import NodeBlocks
 from store.record import RecordHeader, header_for
 from transfer.source import BlockSource, Outgoing
 
@@ -24,8 +24,8 @@ from transfer.source import BlockSource, Outgoing
 class CorruptingSource(BlockSource):
     """Flips one byte of every `every`-th payload it sends; counts what it corrupted."""
 
-    def __init__(self, pool: BlockPool, arena: KVArena, every: int) -> None:
-        super().__init__(pool, arena)
+    def __init__(self, blocks: NodeBlocks, arena: KVArena, every: int) -> None:
+        super().__init__(blocks, arena)
         if every < 1:
             raise ValueError(f"corrupt every N blocks needs N >= 1, got {every}")
         self.every = every
@@ -45,9 +45,9 @@ class CorruptingSource(BlockSource):
             yield header, payload
 
 
-def source_for(pool: BlockPool, arena: KVArena, corrupt_every: int = 0) -> BlockSource:
+def source_for(blocks: NodeBlocks, arena: KVArena, corrupt_every: int = 0) -> BlockSource:
     """The source a server should use: plain unless a fault is asked for."""
-    return CorruptingSource(pool, arena, corrupt_every) if corrupt_every else BlockSource(pool, arena)
+    return CorruptingSource(blocks, arena, corrupt_every) if corrupt_every else BlockSource(blocks, arena)
 
 
 def num_corrupted(source: BlockSource) -> int:

@@ -1,17 +1,17 @@
 """fetch(): move the longest prefix a peer still holds into this node's pool, under a deadline.
 
-    result = await fetcher.fetch("tcp://10.0.0.2:7001", keys, pool, arena, deadline_s=2.0)
-    ... use result.block_ids (committed, pinned) ...
-    pool.free(result.block_ids)
+    result = await fetcher.fetch("tcp://10.0.0.2:7001", keys, blocks, arena, deadline_s=2.0)
+    ... use result.block_ids (committed, held by result.hold) ...
+    blocks.release(result.hold)
 
 What a caller can rely on:
   - the answer is a prefix of `keys`, possibly empty: a holder that evicted
     blocks, a receiver pool that filled up, a checksum mismatch or a holder
     that died mid-stream all give a shorter answer, never an error;
   - unknown peer, refused connection, deadline, wrong token, protocol
-    mismatch raise a TransferError subclass; the pool then holds no pins
+    mismatch raise a TransferError subclass; the node then holds nothing
     from this fetch, and the error lists what was stored and evicted;
-  - every pool operation runs on the calling event loop's thread.
+  - every block operation runs on the calling event loop's thread.
 Knows nothing of etcd or the router.
 """
 
@@ -22,7 +22,7 @@ from typing import Protocol, Sequence
 
 from store.arena import KVArena
 from store.keys import BlockKey
-from store.pool import BlockPool
+from store.node_blocks import NodeBlocks
 from transfer.address import PeerAddress, parse_url
 from transfer.errors import TransferError, TransferTimeout
 from transfer.protocol import MAX_KEYS, FetchRequest
@@ -60,11 +60,11 @@ class Fetcher:
         return self._clients[scheme]
 
     async def fetch(
-        self, peer_url: str, keys: Sequence[BlockKey], pool: BlockPool, arena: KVArena, *, deadline_s: float
+        self, peer_url: str, keys: Sequence[BlockKey], blocks: NodeBlocks, arena: KVArena, *, deadline_s: float
     ) -> FetchResult:
         address = parse_url(peer_url)
-        wanted = list(keys[: min(MAX_KEYS, pool.num_free)])
-        sink = BlockSink(pool, arena, wanted)
+        wanted = list(keys[: min(MAX_KEYS, blocks.num_free)])
+        sink = BlockSink(blocks, arena, wanted)
         if not wanted:
             return sink.finish()
         try:
@@ -94,11 +94,11 @@ class Fetcher:
 
 
 async def fetch(
-    peer_url: str, keys: Sequence[BlockKey], pool: BlockPool, arena: KVArena, *, deadline_s: float, token: str = ""
+    peer_url: str, keys: Sequence[BlockKey], blocks: NodeBlocks, arena: KVArena, *, deadline_s: float, token: str = ""
 ) -> FetchResult:
     """One fetch on a fresh connection; long-lived callers keep a Fetcher instead."""
     fetcher = Fetcher(token)
     try:
-        return await fetcher.fetch(peer_url, keys, pool, arena, deadline_s=deadline_s)
+        return await fetcher.fetch(peer_url, keys, blocks, arena, deadline_s=deadline_s)
     finally:
         await fetcher.close()

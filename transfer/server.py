@@ -1,10 +1,10 @@
-"""serve(): expose one pool's arena to peers over TCP or UCX.
+"""serve(): expose one node's blocks to peers over TCP or UCX.
 
-    server = await serve(pool, arena, "tcp://127.0.0.1:0", token="s3cret")
+    server = await serve(blocks, arena, "tcp://127.0.0.1:0", token="s3cret")
     server.url          # the bound address, real port filled in
     await server.close()
 
-The server pins blocks while it sends them and unpins them afterwards, all
+The server holds blocks while it sends them and releases them afterwards, all
 on the event loop thread it was started on. `source` is the seam for a
 different holder behaviour (tests inject faults there). Knows nothing of
 fetching, etcd or the router.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from store.arena import KVArena
-from store.pool import BlockPool
+from store.node_blocks import NodeBlocks
 from transfer.address import parse_url
 from transfer.source import BlockSource
 from transfer.tcp import TcpServer
@@ -40,9 +40,9 @@ SERVERS = {"tcp": TcpServer, "ucx": _ucx_server}
 
 
 async def serve(
-    pool: BlockPool, arena: KVArena, url: str = "tcp://127.0.0.1:0", token: str = "", *, source: BlockSource | None = None
+    blocks: NodeBlocks, arena: KVArena, url: str = "tcp://127.0.0.1:0", token: str = "", *, source: BlockSource | None = None
 ) -> Server:
     address = parse_url(url)
-    server = SERVERS[address.scheme](source or BlockSource(pool, arena), token)
+    server = SERVERS[address.scheme](source or BlockSource(blocks, arena), token)
     await server.start(address.host, address.port)
     return server

@@ -1,7 +1,7 @@
 """The receiver's side of a fetch: allocate, take each payload in place, verify, commit.
 
-    sink = BlockSink(pool, arena, keys)
-    n = sink.expect(response.num_blocks, response.block_bytes)  # pool.allocate (pinned)
+    sink = BlockSink(blocks, arena, keys)                        # an empty hold
+    n = sink.expect(response.num_blocks, response.block_bytes)  # blocks.allocate into it
     for i in range(n):
         recv_into(sink.destination(i))       # the arena block itself on CPU,
         if not sink.accept(i, header): break # a host staging buffer on CUDA
@@ -9,9 +9,9 @@
 
 A block is committed only after its checksum matched; the first bad block
 rejects itself and every later one, and blocks allocated but never committed
-are freed without a key, so they never answer a match. Transport-agnostic,
-and every method touches the pool, so all run on the event loop thread.
-Knows nothing of sockets or UCX.
+are released without a key, so they never answer a match. Transport-agnostic,
+and every method goes through the node's blocks, so all run on the event loop
+thread. Knows nothing of sockets or UCX.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from store.arena import KVArena
 from store.keys import BlockKey
-from store.pool import BlockPool
+from store.node_blocks import Hold, NodeBlocks
 from store.record import RecordError, RecordHeader, verify
 from transfer.errors import ProtocolError
 from transfer.host_bytes import host_blocks
@@ -31,16 +31,20 @@ from transfer.host_bytes import host_blocks
 
 @dataclass(slots=True)
 class FetchResult:
-    """What arrived intact. `block_ids` are committed and pinned: the caller frees them."""
+    """What arrived intact: `hold` holds its committed blocks; the caller releases it."""
 
     keys: list[BlockKey]
-    block_ids: list[int]
+    hold: Hold
     evicted: list[BlockKey]
     num_bytes: int
 
     @property
+    def block_ids(self) -> list[int]:
+        return self.hold.block_ids
+
+    @property
     def num_blocks(self) -> int:
-        return len(self.block_ids)
+        return len(self.hold.block_ids)
 
 
 class _Staging:
@@ -63,15 +67,15 @@ class _Staging:
 
 
 class BlockSink:
-    def __init__(self, pool: BlockPool, arena: KVArena, keys: Sequence[BlockKey]) -> None:
-        self.pool = pool
+    def __init__(self, blocks: NodeBlocks, arena: KVArena, keys: Sequence[BlockKey]) -> None:
+        self.blocks = blocks
         self.arena = arena
         self.keys = list(keys)
-        self.allocated: list[int] = []
+        self.hold = blocks.acquire(())  # the blocks this fetch writes; block i answers for keys[i] once committed
+        self.num_expected = 0
+        self.num_committed = 0
         self.evicted: list[BlockKey] = []
-        self.committed: list[int] = []  # block ids in key order (pinned)
         self.rejected = False
-        self._spares: list[int] = []  # allocated, then found a twin already committed
         self._host_bytes = host_blocks(arena)
         self._staging = None if self._host_bytes is not None else _Staging(arena.block_bytes, pin=arena.device.type == "cuda")
 
@@ -81,15 +85,14 @@ class BlockSink:
             raise ProtocolError(f"peer blocks are {block_bytes} bytes, ours are {self.arena.block_bytes}")
         if num_blocks > len(self.keys):
             raise ProtocolError(f"peer offers {num_blocks} blocks for {len(self.keys)} keys")
-        allocation = self.pool.allocate(min(num_blocks, self.pool.num_free))
-        self.allocated = allocation.block_ids
-        self.evicted = allocation.evicted
-        return len(self.allocated)
+        self.evicted = self.blocks.allocate(self.hold, min(num_blocks, self.blocks.num_free))
+        self.num_expected = len(self.hold.block_ids)
+        return self.num_expected
 
     def destination(self, index: int) -> memoryview:
         """Where payload `index` lands: the block itself, or a staging buffer to copy from."""
         if self._host_bytes is not None:
-            return self._host_bytes(self.allocated[index])
+            return self._host_bytes(self.hold.block_ids[index])
         return self._staging.buffer(index)
 
     def reject(self) -> None:
@@ -104,7 +107,7 @@ class BlockSink:
 
     def accept(self, index: int, header: RecordHeader) -> bool:
         """Verify and commit block `index` (blocks arrive in order); False rejects it and the rest."""
-        assert index == len(self.committed), f"block {index} accepted out of order"
+        assert index == self.num_committed, f"block {index} accepted out of order"
         if self.rejected or not self.check_header(index, header):
             return False
         payload = self.destination(index)
@@ -113,39 +116,23 @@ class BlockSink:
         except RecordError:
             self.rejected = True
             return False
-        block_id = self.allocated[index]
         if self._staging is not None:
-            self.arena.write_bytes(block_id, payload)
+            self.arena.write_bytes(self.hold.block_ids[index], payload)
             self._staging.give_back(index)
-        self._commit(block_id, header.key)
+        if not self.blocks.commit(self.hold, index, [header.key]):
+            self.blocks.adopt(self.hold, index, header.key)  # a concurrent fetch committed this key first
+        self.num_committed += 1
         return True
 
-    def _commit(self, block_id: int, key: BlockKey) -> None:
-        if self.pool.commit(block_id, key):
-            self.committed.append(block_id)
-            return
-        twin = self.pool.lookup(key)  # a concurrent fetch committed this key first
-        assert twin is not None
-        self.pool.touch([twin])
-        self.committed.append(twin)
-        self._spares.append(block_id)
-
-    def _unused(self) -> list[int]:
-        return self._spares + self.allocated[len(self.committed) :]
-
     def finish(self) -> FetchResult:
-        """Free what never got committed; hand the committed prefix (pinned) to the caller."""
-        self.pool.free(self._unused())
-        num_blocks = len(self.committed)
-        num_bytes = num_blocks * self.arena.block_bytes
-        return FetchResult(self.keys[:num_blocks], list(self.committed), self.evicted, num_bytes)
+        """Release what never got committed; hand the committed prefix (held) to the caller."""
+        num_blocks = self.num_committed
+        self.blocks.release(self.hold, keep=num_blocks)
+        return FetchResult(self.keys[:num_blocks], self.hold, self.evicted, num_blocks * self.arena.block_bytes)
 
     def abort(self) -> tuple[list[BlockKey], list[BlockKey]]:
-        """Unpin everything this fetch holds; returns (stored keys, evicted keys) for the error."""
-        self.pool.free(self._unused())
-        self.pool.free(self.committed)
-        stored = self.keys[: len(self.committed)]
-        self.committed = []
-        self.allocated = []
-        self._spares = []
+        """Release everything this fetch holds; returns (stored keys, evicted keys) for the error."""
+        self.blocks.release(self.hold)
+        stored = self.keys[: self.num_committed]
+        self.num_committed = 0
         return stored, self.evicted

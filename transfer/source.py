@@ -1,12 +1,15 @@
 """The holder's side of a fetch: pin what is still held, hand out framed records, unpin.
 
-    async with source.pinned(keys) as outgoing:   # pool.match + pool.touch
+    async with source.pinned(keys) as outgoing:   # blocks.promote + blocks.acquire
         async for header, payload in source.records(outgoing):
             ...send header.pack(), then payload...
-                                                   # pool.free on the way out
+                                                   # blocks.release on the way out
 
-Transport-agnostic: it never sees a socket. Every pool operation runs on the
-caller's thread, which must be the event loop's (BlockPool is not
+On a node with host or SSD tiers, the run sitting there is promoted into
+device blocks first (the same copy a local hit makes), so a peer gets the
+longest prefix this node holds in any tier; without lower tiers promote is a
+no-op. Transport-agnostic: it never sees a socket. Every block operation runs
+on the caller's thread, which must be the event loop's (NodeBlocks is not
 thread-safe). The methods are the seams tests override to inject faults (an
 eviction before pinning, a flipped byte, a stall). Knows nothing of the wire.
 """
@@ -19,7 +22,7 @@ from typing import AsyncIterator, Sequence
 
 from store.arena import KVArena
 from store.keys import BlockKey
-from store.pool import BlockPool
+from store.node_blocks import Hold, NodeBlocks
 from store.record import RecordHeader, header_for
 from transfer.host_bytes import host_blocks
 
@@ -29,16 +32,20 @@ class Outgoing:
     """The pinned prefix one request is served from."""
 
     keys: list[BlockKey]
-    block_ids: list[int]
+    hold: Hold
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.hold.block_ids
 
     @property
     def num_blocks(self) -> int:
-        return len(self.block_ids)
+        return len(self.hold.block_ids)
 
 
 class BlockSource:
-    def __init__(self, pool: BlockPool, arena: KVArena) -> None:
-        self.pool = pool
+    def __init__(self, blocks: NodeBlocks, arena: KVArena) -> None:
+        self.blocks = blocks
         self.arena = arena
         self._host_bytes = host_blocks(arena)
 
@@ -47,13 +54,13 @@ class BlockSource:
         return self.arena.block_bytes
 
     async def pin(self, keys: Sequence[BlockKey]) -> Outgoing:
-        """Pin the longest prefix of `keys` still held; the rest is not ours to send."""
-        block_ids = self.pool.match(keys)
-        self.pool.touch(block_ids)
-        return Outgoing(list(keys[: len(block_ids)]), block_ids)
+        """Hold the longest prefix of `keys` still held in any tier; the rest is not ours to send."""
+        self.blocks.promote(keys)
+        hold = self.blocks.acquire(keys)
+        return Outgoing(list(keys[: len(hold.block_ids)]), hold)
 
     def release(self, outgoing: Outgoing) -> None:
-        self.pool.free(outgoing.block_ids)
+        self.blocks.release(outgoing.hold)
 
     @asynccontextmanager
     async def pinned(self, keys: Sequence[BlockKey]) -> AsyncIterator[Outgoing]:

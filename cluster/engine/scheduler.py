@@ -1,11 +1,11 @@
 """The engine: admits requests onto cached blocks, batches their steps, samples, frees.
 
-    submit ─▶ waiting (FIFO) ──admit: match+touch the cached prefix, allocate the rest──▶ running
-              (a request submitted `held` keeps its place but is passed over until `release`:
+    submit ─▶ waiting (FIFO) ──admit: acquire the cached prefix, allocate the rest──▶ running
+              (a request submitted `deferred` keeps its place but is passed over until `resume`:
                its blocks are still arriving from a peer while it queues)
-    step = schedule()  pool ops: admission; picks each running request's next span
-           forward()   tensor work only (may run in a thread while the caller uses the pool)
-           finish()    pool ops: commit newly full blocks, sample, free finished requests tail first
+    step = schedule()  block ops: admission; picks each running request's next span
+           forward()   tensor work only (may run in a thread while the caller uses the blocks)
+           finish()    block ops: commit newly full blocks, sample, release finished requests
            (fail(batch) instead of finish when forward raised: the batch's requests are dropped)
 
 One step carries every decoding request's next token plus prefill chunks,
@@ -18,12 +18,13 @@ logits; that token counts as computed, not cached.
 Admission reserves blocks for prompt + max_tokens - 1 positions up front, so a
 running request never runs out mid-way and nothing is preempted; a request
 that does not fit now waits at the head of the queue, one that can never fit
-is refused at submit. Blocks come from an injected `allocate(num) -> Allocation`
-(default: the pool's own; a tiered worker passes one that demotes what it
-evicts). Under minimum residency an allocation can fail although enough blocks
-are free: the request waits for the next step, never for ever, since residency
-ends. Knows nothing of HTTP, etcd, tiers or transfers: it reports the keys it
-stored and evicted through `take_pool_events`.
+is refused at submit. Each admitted request holds its blocks through one
+`Hold` of the node's blocks (store/node_blocks.py, which demotes what an
+allocation evicts when the node has lower tiers). Under minimum residency an
+allocation can fail although enough blocks are free: the request waits for the
+next step, never for ever, since residency ends. Knows nothing of HTTP, etcd,
+tiers or transfers: it reports the keys it stored and evicted through
+`take_pool_events`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from cluster.engine.sampling import Sampler, SamplingParams
 from cluster.engine.sequence import RequestStats, Sequence
 from store.arena import KVArena
 from store.keys import BlockKey, Namespace, chain_from, pack_tokens
-from store.pool import Allocation, BlockPool, PoolExhausted
+from store.node_blocks import NodeBlocks
+from store.pool import PoolExhausted
 
 
 class RequestTooLarge(ValueError):
@@ -49,17 +51,15 @@ class RequestTooLarge(ValueError):
 
 
 class Engine:
-    def __init__(self, model: Transformer, pool: BlockPool, arena: KVArena, namespace: Namespace, *,
+    def __init__(self, model: Transformer, blocks: NodeBlocks, arena: KVArena, namespace: Namespace, *,
                  max_batch_size: int = 8, chunk_size: int = 512,
-                 clock: Callable[[], float] = time.perf_counter,
-                 allocate: Callable[[int], Allocation] | None = None) -> None:
-        _check_fit(model, pool, arena, namespace)
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        _check_fit(model, blocks, arena, namespace)
         if chunk_size < max_batch_size:
             raise ValueError(f"chunk_size {chunk_size} < max_batch_size {max_batch_size}: decodes would starve prefill")
-        self.model, self.pool, self.arena, self.namespace = model, pool, arena, namespace
+        self.model, self.blocks, self.arena, self.namespace = model, blocks, arena, namespace
         self.block_size = namespace.block_size
         self.max_batch_size, self.chunk_size, self.clock = max_batch_size, chunk_size, clock
-        self.allocate = allocate or pool.allocate
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._sequences: dict[int, Sequence] = {}
@@ -67,11 +67,11 @@ class Engine:
         self._next_id = 0
         self._pool_events: dict[BlockKey, bool] = {}   # key -> stored (True) or evicted, latest wins
         self._refused: list[tuple[int, str]] = []
-        self._held: set[int] = set()  # waiting, but not admissible yet
+        self._deferred: set[int] = set()  # waiting, but not admissible yet (deferred)
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, tokens: Seq[int], params: SamplingParams, keys: Seq[BlockKey] | None = None, *,
-               keep_logits: bool = False, held: bool = False) -> int:
+               keep_logits: bool = False, deferred: bool = False) -> int:
         tokens = list(tokens)
         if not tokens:
             raise RequestTooLarge("a request needs at least one prompt token")
@@ -81,19 +81,19 @@ class Engine:
                                   f"the model's {config.max_position} positions")
         seq = Sequence(self._next_id, tokens, len(tokens), params, Sampler(params, config.eos_token_id),
                        self._prompt_keys(tokens, keys), self.clock(), keep_logits)
-        if seq.num_blocks_needed(self.block_size) > self.pool.num_blocks:
+        if seq.num_blocks_needed(self.block_size) > self.blocks.num_blocks:
             raise RequestTooLarge(f"request needs {seq.num_blocks_needed(self.block_size)} blocks, "
-                                  f"the pool has {self.pool.num_blocks}")
+                                  f"the pool has {self.blocks.num_blocks}")
         self._next_id += 1
         self._sequences[seq.request_id] = seq
         self.waiting.append(seq)
-        if held:
-            self._held.add(seq.request_id)
+        if deferred:
+            self._deferred.add(seq.request_id)
         return seq.request_id
 
-    def release(self, request_id: int) -> None:
-        """A held request may be admitted from now on, in its place in the queue."""
-        self._held.discard(request_id)
+    def resume(self, request_id: int) -> None:
+        """A deferred request may be admitted from now on, in its place in the queue."""
+        self._deferred.discard(request_id)
 
     def abort(self, request_id: int) -> bool:
         """Drop a request; its blocks are freed now, or after the step that is using them."""
@@ -102,7 +102,7 @@ class Engine:
             return False
         if seq in self.waiting:
             self.waiting.remove(seq)
-            self._held.discard(request_id)
+            self._deferred.discard(request_id)
             del self._sequences[request_id]
         elif request_id in self._in_flight:
             seq.aborted = True
@@ -159,7 +159,7 @@ class Engine:
                 spans.append(self._span(seq, budget))
                 budget -= spans[-1].end - spans[-1].start
         while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
-            seq = next((s for s in self.waiting if s.request_id not in self._held), None)
+            seq = next((s for s in self.waiting if s.request_id not in self._deferred), None)
             if seq is None:
                 break
             if not self._admit(seq):
@@ -240,34 +240,31 @@ class Engine:
         return given + chain_from(parent, rest, self.block_size)
 
     def _admit(self, seq: Sequence) -> bool:
-        cached = self.pool.match(seq.keys)
-        needed = seq.num_blocks_needed(self.block_size) - len(cached)
-        unpinned_hits = sum(1 for block_id in cached if self.pool.ref_count[block_id] == 0)
-        if needed > self.pool.num_free - unpinned_hits:
+        num_blocks = seq.num_blocks_needed(self.block_size)
+        if not self.blocks.fits(seq.keys, num_blocks):
             return False
-        self.pool.touch(cached)
+        hold = self.blocks.acquire(seq.keys)
+        num_cached = len(hold.block_ids)
         try:
-            allocation = self.allocate(needed)
+            evicted = self.blocks.allocate(hold, num_blocks - num_cached)
         except PoolExhausted:  # free blocks are still within their minimum residency: retry next step
-            self.pool.free(cached)
+            self.blocks.release(hold)
             return False
-        for key in allocation.evicted:
+        for key in evicted:
             self._record(key, stored=False)
-        seq.block_ids = cached + allocation.block_ids
-        seq.num_committed = len(cached)
-        seq.num_stored = len(cached) * self.block_size
+        seq.hold = hold
+        seq.num_committed = num_cached
+        seq.num_stored = num_cached * self.block_size
         seq.num_computed = seq.num_cached_tokens = min(seq.num_stored, seq.num_prompt_tokens - 1)
         return True
 
     def _held_elsewhere(self, seq: Sequence) -> bool:
         """Nothing runs, yet the head does not fit even counting resident blocks: pins hold the rest."""
-        cached = self.pool.match(seq.keys)
-        unpinned_hits = sum(1 for block_id in cached if self.pool.ref_count[block_id] == 0)
-        return seq.num_blocks_needed(self.block_size) - len(cached) > self.pool.num_free - unpinned_hits
+        return not self.blocks.fits(seq.keys, seq.num_blocks_needed(self.block_size))
 
     def _refuse(self, seq: Sequence) -> None:
-        held = self.pool.num_blocks - self.pool.num_free
-        self._refused.append((seq.request_id, f"pool exhausted: {held} of {self.pool.num_blocks} blocks are "
+        held = self.blocks.num_blocks - self.blocks.num_free
+        self._refused.append((seq.request_id, f"pool exhausted: {held} of {self.blocks.num_blocks} blocks are "
                                               f"pinned or held; retry later"))
         del self._sequences[seq.request_id]
 
@@ -275,18 +272,20 @@ class Engine:
         start = seq.num_computed
         end = min(len(seq.tokens), start + budget)
         num_blocks = -(-end // self.block_size)
-        return ScheduledSpan(seq, start, end, seq.num_stored, tuple(seq.block_ids[:num_blocks]),
+        return ScheduledSpan(seq, start, end, seq.num_stored, tuple(seq.hold.block_ids[:num_blocks]),
                              tuple(seq.tokens[start:end]), end == len(seq.tokens))
 
     def _commit_full_blocks(self, seq: Sequence) -> None:
-        for index in range(seq.num_committed, seq.num_stored // self.block_size):
-            if index == len(seq.keys):
-                parent = seq.keys[-1] if seq.keys else self.namespace.root()
-                block = seq.tokens[index * self.block_size:(index + 1) * self.block_size]
-                seq.keys.extend(chain_from(parent, pack_tokens(block), self.block_size))
-            if self.pool.commit(seq.block_ids[index], seq.keys[index]):
-                self._record(seq.keys[index], stored=True)
-        seq.num_committed = max(seq.num_committed, seq.num_stored // self.block_size)
+        num_full = seq.num_stored // self.block_size
+        if num_full <= seq.num_committed:
+            return
+        if num_full > len(seq.keys):  # blocks of generated tokens: keyed as they fill
+            parent = seq.keys[-1] if seq.keys else self.namespace.root()
+            block = seq.tokens[len(seq.keys) * self.block_size:num_full * self.block_size]
+            seq.keys.extend(chain_from(parent, pack_tokens(block), self.block_size))
+        for key in self.blocks.commit(seq.hold, seq.num_committed, seq.keys[seq.num_committed:num_full]):
+            self._record(key, stored=True)
+        seq.num_committed = num_full
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
         token = seq.sampler.sample(logits)
@@ -302,18 +301,17 @@ class Engine:
         return TokenEvent(seq.request_id, token, True, reason, seq.stats())
 
     def _release(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_ids)
-        seq.block_ids = []
+        self.blocks.release(seq.hold)
         self.running.remove(seq)
         del self._sequences[seq.request_id]
 
 
-def _check_fit(model: Transformer, pool: BlockPool, arena: KVArena, namespace: Namespace) -> None:
+def _check_fit(model: Transformer, blocks: NodeBlocks, arena: KVArena, namespace: Namespace) -> None:
     expected = arena_shape_for(model.config, arena.num_blocks, namespace.block_size)
     if arena.shape != expected:
         raise ValueError(f"arena shape {arena.shape} does not fit the model: expected {expected}")
-    if pool.num_blocks != arena.num_blocks:
-        raise ValueError(f"pool has {pool.num_blocks} blocks, arena {arena.num_blocks}")
+    if blocks.num_blocks != arena.num_blocks:
+        raise ValueError(f"pool has {blocks.num_blocks} blocks, arena {arena.num_blocks}")
     if arena.dtype != model.dtype or namespace.dtype != dtype_name(arena.dtype):
         raise ValueError(f"dtypes differ: model {model.dtype}, arena {arena.dtype}, namespace {namespace.dtype!r}")
     if arena.device.type != model.device.type:

@@ -6,8 +6,8 @@
 `num_stored` can run ahead of `num_computed` only when a whole prompt was a
 cache hit: its K,V are all in the arena, but the last position must still run
 through the model to get logits (it runs query-only and writes nothing).
-Blocks [0, num_committed) answer for their keys in the pool. Knows nothing of
-the pool's internals, the model or the network.
+Blocks [0, num_committed) of its hold answer for their keys in the pool. Knows
+nothing of the pool's internals, the model or the network.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from cluster.engine.sampling import Sampler, SamplingParams
 from store.keys import BlockKey
+from store.node_blocks import Hold
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Sequence:
     keys: list[BlockKey]            # keys of full blocks so far, prompt first
     submitted_at: float
     keep_logits: bool = False
-    block_ids: list[int] = field(default_factory=list)
+    hold: Hold = field(default_factory=Hold)  # its blocks in position order, once admitted
     num_computed: int = 0
     num_stored: int = 0
     num_committed: int = 0

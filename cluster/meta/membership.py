@@ -39,6 +39,8 @@ class NodeRecord(msgspec.Struct, frozen=True):
     num_running: int = 0
     prefill_tokens_per_s: float = 0.0
     load_time: float = 0.0  # wall clock (time.time()) when the load fields were sampled
+    kind: str = "prefixpool"  # what serves at http_url: "prefixpool" (our worker API) or "vllm" (OpenAI API)
+    namespace: str = ""  # hex root of the block-key namespace it hashes under ("" = not said)
 
 
 def encode_record(record: NodeRecord) -> bytes:

@@ -1,4 +1,4 @@
-"""The worker service: one engine, its pool and arena, a transfer server and an etcd presence.
+"""The worker service: one engine, the node's blocks and arena, a transfer server and an etcd presence.
 
     generate(request)
       keys = chain(tokens)                       hashed at the edge, salted per tenant
@@ -6,14 +6,21 @@
                      failures cost a recompute, never an error). With fetch_while_queued the
                      request is queued first, held, and released when the fetch ends, so the
                      transfer overlaps the wait behind other requests instead of preceding it
-      tiers.promote(keys)  the run found in host memory or on the SSD is copied up
+      blocks.promote(keys)  the run found in host memory or on the SSD is copied up
       engine.submit(tokens, keys) -> events stream back; every key whose tier changed
       is published, in its fastest tier, by the publisher, off the request path
+
+Publishing is by key, not by event: a node advertises each block once, in
+the fastest tier holding it (etcd's `/blocks/<key>/<node>` has one value), so
+for every key touched since the last publish the worker asks where it is now
+(`blocks.placement`) and puts that tier, or deletes the key when no tier holds
+it. What a request fetched or promoted is held (a Hold of the node's blocks)
+until the request ends.
 
 Admin pins (pin/unpin) hold a prefix's device blocks for a TTL; with a
 soft-pin budget the most hit prefixes are pinned by themselves.
 
-The engine's forward pass runs in a thread; every pool operation (engine
+The engine's forward pass runs in a thread; every block operation (engine
 schedule/finish, transfer serving and fetching) stays on the event loop
 thread. Knows nothing of HTTP: worker_http.py serves it.
 """
@@ -28,11 +35,11 @@ from typing import AsyncIterator, Protocol
 
 from cluster.engine.batch import Batch, TokenEvent
 from cluster.engine.scheduler import Engine
-from cluster.node.tiers import DeviceOnly, NodeTiers, by_tier
 from router.contract.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage, WorkerLoad
 from store.keys import BlockKey, Namespace, chain
-from store.pins import PrefixPins
+from store.node_blocks import Hold
 from store.pool import PoolExhausted
+from store.tier_names import DEVICE
 from transfer.errors import TransferError
 from transfer.fetcher import Fetcher
 
@@ -58,18 +65,17 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     fetched_tokens: int = 0
     fetched_bytes: int = 0
-    pinned: list[int] = field(default_factory=list)
+    holds: list[Hold] = field(default_factory=list)
     promoted_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
 
 
 class Worker:
     def __init__(self, engine: Engine, namespace: Namespace, publisher: BlockPublisher, fetcher: Fetcher,
-                 fetch_timeout_s: float = 5.0, tiers: DeviceOnly | NodeTiers | None = None,
-                 pins: PrefixPins | None = None, periods: WorkerPeriods = WorkerPeriods(),
+                 fetch_timeout_s: float = 5.0, periods: WorkerPeriods = WorkerPeriods(),
                  fetch_while_queued: bool = True) -> None:
         self.engine = engine
-        self.pool = engine.pool
+        self.blocks = engine.blocks
         self.arena = engine.arena
         self.namespace = namespace
         self.publisher = publisher
@@ -79,8 +85,6 @@ class Worker:
         self._streams: dict[int, _Stream] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        self.tiers = tiers or DeviceOnly(engine.pool)
-        self.pins = pins or PrefixPins(engine.pool)
         self.periods = periods
         self._tasks: list[asyncio.Task] = []
         self._prefill_tokens = 0
@@ -91,7 +95,7 @@ class Worker:
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run(), name="engine-loop")
         self._tasks = [asyncio.create_task(self._collect(), name="tier-collect")]
-        if self.pins.soft_budget_blocks:
+        if self.blocks.pins.soft_budget_blocks:
             self._tasks.append(asyncio.create_task(self._refresh_soft_pins(), name="soft-pins"))
 
     async def stop(self) -> None:
@@ -100,7 +104,7 @@ class Worker:
             await asyncio.gather(task, return_exceptions=True)
         for request_id in list(self._streams):
             self._release(request_id)
-        self.tiers.close()
+        self.blocks.close()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -113,9 +117,9 @@ class Worker:
         if not overlap:
             self._prepare_blocks(keys, stream)
         try:
-            request_id = self.engine.submit(request.tokens, request.sampling, keys=keys, held=overlap)
+            request_id = self.engine.submit(request.tokens, request.sampling, keys=keys, deferred=overlap)
         except ValueError as err:  # bad sampling values, or a request that can never fit this worker
-            self.pool.free(stream.pinned)
+            self._release_holds(stream)
             yield Failed(str(err), 400)
             return
         self._streams[request_id] = stream
@@ -123,7 +127,7 @@ class Worker:
             if overlap:  # queued from now on; admission waits for the fetch to end
                 await self._fetch(request, keys, stream)
                 self._prepare_blocks(keys, stream)
-                self.engine.release(request_id)
+                self.engine.resume(request_id)
             self._wake.set()
             while True:
                 event = await stream.queue.get()
@@ -135,16 +139,16 @@ class Worker:
 
     def _prepare_blocks(self, keys: list[BlockKey], stream: _Stream) -> None:
         self._promote(keys, stream)
-        self.pins.record_hits(keys[: len(self.pool.match(keys))])
+        self.blocks.pins.record_hits(keys[: len(self.blocks.match(keys))])
 
     async def _fetch(self, request: GenerateRequest, keys: list[BlockKey], stream: _Stream) -> None:
         plan = request.fetch
-        local = len(self.pool.match(keys))
+        local = len(self.blocks.match(keys))
         end = min(plan.end, len(keys))
         if end <= local:
             return
         try:
-            result = await self.fetcher.fetch(plan.transfer_url, keys[local:end], self.pool, self.arena,
+            result = await self.fetcher.fetch(plan.transfer_url, keys[local:end], self.blocks, self.arena,
                                               deadline_s=self.fetch_timeout_s)
         except TransferError as err:
             log.warning("fetch from %s failed (%s); recomputing", plan.peer, err)
@@ -154,18 +158,16 @@ class Worker:
             log.info("no room to fetch from %s (%s); recomputing", plan.peer, err)
             return
         self._publish([*result.keys, *result.evicted])
-        stream.pinned = result.block_ids  # held until the request ends, so admission finds them
+        stream.holds.append(result.hold)  # held until the request ends, so admission finds them
         stream.fetched_tokens = len(result.keys) * self.namespace.block_size
         stream.fetched_bytes = result.num_bytes
 
     def _promote(self, keys: list[BlockKey], stream: _Stream) -> None:
         """Copy the host/SSD run after the device prefix up, and hold it until the request ends."""
-        promoted = self.tiers.promote(keys)
+        promoted = self.blocks.promote(keys).stored.get(DEVICE, [])
         if not promoted:
             return
-        block_ids = [self.pool.index[key] for key in promoted]
-        self.pool.touch(block_ids)
-        stream.pinned.extend(block_ids)
+        stream.holds.append(self.blocks.acquire(keys))
         stream.promoted_tokens = len(promoted) * self.namespace.block_size
         self._publish_touched()
 
@@ -174,8 +176,12 @@ class Worker:
         if stream is None:
             return
         self.engine.abort(request_id)  # a no-op once the request has finished
-        self.pool.free(stream.pinned)
-        stream.pinned = []
+        self._release_holds(stream)
+
+    def _release_holds(self, stream: _Stream) -> None:
+        for hold in stream.holds:
+            self.blocks.release(hold)
+        stream.holds = []
 
     # -- the engine loop -----------------------------------------------------------------------
 
@@ -238,16 +244,16 @@ class Worker:
 
     def _publish_pool_events(self) -> None:
         stored, evicted = self.engine.take_pool_events()
-        self._publish([*stored, *evicted, *self.tiers.take_touched()])
+        self._publish([*stored, *evicted, *self.blocks.take_changes().keys()])
 
     def _publish_touched(self) -> None:
-        self._publish(self.tiers.take_touched())
+        self._publish(self.blocks.take_changes().keys())
 
     def _publish(self, keys: list[BlockKey]) -> None:
         """Each key in the fastest tier that holds it now, or deleted when none does."""
         if not keys:
             return
-        stored, removed = by_tier(self.tiers, keys)
+        stored, removed = self.blocks.placement(keys)
         if removed:
             self.publisher.publish(removed=removed)
         for tier, tier_keys in stored.items():
@@ -256,13 +262,13 @@ class Worker:
     async def _collect(self) -> None:
         while True:
             await asyncio.sleep(self.periods.collect_s)
-            self.tiers.collect()
+            self.blocks.collect()
             self._publish_touched()
 
     async def _refresh_soft_pins(self) -> None:
         while True:
             await asyncio.sleep(self.periods.soft_refresh_s)
-            self.pins.refresh_soft()
+            self.blocks.refresh_soft()
 
     # -- admin pins ----------------------------------------------------------------------------
 
@@ -271,10 +277,10 @@ class Worker:
         keys = chain(tokens, self.namespace.with_salt(cache_salt))
         if not keys:
             raise PinRefused(f"{len(tokens)} tokens make no full block of {self.namespace.block_size}")
-        if self.tiers.promote(keys):
+        if self.blocks.promote(keys):
             self._publish_touched()
         name = name or keys[-1].hex()
-        held = self.pins.pin(name, keys, ttl_s)
+        held = self.blocks.pin(name, keys, ttl_s)
         return {"name": name, "num_blocks": len(keys), "num_held": len(held)}
 
     def unpin(self, name: str = "", tokens: list[int] | None = None, cache_salt: str = "") -> str | None:
@@ -282,22 +288,23 @@ class Worker:
         if not name and tokens:
             keys = chain(tokens, self.namespace.with_salt(cache_salt))
             name = keys[-1].hex() if keys else ""
-        return name if self.pins.unpin(name) else None
+        return name if self.blocks.unpin(name) else None
 
     # -- load and health --------------------------------------------------------------------------
 
     def load(self) -> WorkerLoad:
         speed = self._prefill_tokens / self._prefill_seconds if self._prefill_seconds else 0.0
-        return WorkerLoad(self.engine.num_queued, self.engine.num_running, self.pool.num_free, speed)
+        return WorkerLoad(self.engine.num_queued, self.engine.num_running, self.blocks.num_free, speed)
 
     def pool_report(self) -> dict:
-        """The pool's invariants and pins (GET /debug/pool): at rest, no block may stay pinned."""
+        """The node's block invariants and pins (GET /debug/pool): at rest, no block may stay pinned."""
+        pool = self.blocks.pool
         try:
-            self.pool.check_integrity()
+            self.blocks.check_integrity()
             integrity = "ok"
         except AssertionError as err:
             integrity = str(err) or "integrity check failed"
-        return {"integrity": integrity, "num_blocks": self.pool.num_blocks, "num_free": self.pool.num_free,
-                "num_cached": self.pool.num_cached, "num_pinned": sum(1 for c in self.pool.ref_count if c > 0),
+        return {"integrity": integrity, "num_blocks": pool.num_blocks, "num_free": pool.num_free,
+                "num_cached": pool.num_cached, "num_pinned": sum(1 for c in pool.ref_count if c > 0),
                 "num_streams": len(self._streams), "num_queued": self.engine.num_queued,
                 "num_running": self.engine.num_running}

@@ -1,6 +1,6 @@
-"""One simulated prefill node's cache: a real device BlockPool over modelled host and SSD LRUs.
+"""One simulated prefill node's cache: a real device pool over modelled host and SSD LRUs.
 
-    device  store.pool.BlockPool (the LRU the real worker runs)
+    device  store.node_blocks.NodeBlocks over a BlockPool (the LRU the real worker runs)
     host    OrderedDict LRU, exclusive of the device: an evicted device block lands here,
             a hit is promoted back up (leaves host)
     ssd     OrderedDict LRU fed by host's victims; keeps its copy on promotion;
@@ -19,6 +19,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 from store.keys import BlockKey
+from store.node_blocks import NodeBlocks
 from store.pool import BlockPool
 from store.tier_names import DEVICE, DISK, HOST
 
@@ -27,7 +28,7 @@ from store.tier_names import DEVICE, DISK, HOST
 class SimNode:
     def __init__(self, name: str, capacity: int, host_blocks: int = 0, disk_blocks: int = 0) -> None:
         self.name = name
-        self.pool = BlockPool(capacity)
+        self.blocks = NodeBlocks(BlockPool(capacity))
         self.host: OrderedDict[BlockKey, None] = OrderedDict()
         self.disk: OrderedDict[BlockKey, None] = OrderedDict()
         self.host_blocks, self.disk_blocks = host_blocks, disk_blocks
@@ -36,7 +37,7 @@ class SimNode:
         self.queued_tokens = 0
 
     def tier_of(self, key: BlockKey) -> str | None:
-        if key in self.pool.index:
+        if self.blocks.lookup(key) is not None:
             return DEVICE
         if key in self.host:
             return HOST
@@ -53,16 +54,16 @@ class SimNode:
 
     def store(self, keys: list[BlockKey]) -> list[BlockKey]:
         """Cache a finished request's blocks on the device (promoting lower-tier hits); the keys that changed tier."""
-        keys = keys[: self.pool.num_blocks]
-        hit = self.pool.match(keys)
-        self.pool.touch(hit)
-        alloc = self.pool.allocate(len(keys) - len(hit))
-        stored = [k for b, k in zip(alloc.block_ids, keys[len(hit):]) if self.pool.commit(b, k)]
-        self.pool.free(hit + alloc.block_ids)
+        keys = keys[: self.blocks.num_blocks]
+        hold = self.blocks.acquire(keys)
+        num_hit = len(hold.block_ids)
+        evicted = self.blocks.allocate(hold, len(keys) - num_hit)
+        stored = self.blocks.commit(hold, num_hit, keys[num_hit:])
+        self.blocks.release(hold)
         for key in stored:
             self.host.pop(key, None)  # promoted: host is exclusive of the device
-        touched = stored + alloc.evicted
-        for key in alloc.evicted:
+        touched = stored + evicted
+        for key in evicted:
             touched += self._demote(key)
         return touched
 

@@ -4,7 +4,7 @@
             ─▶ node queue: start = max(node free, arrival + transfer), end = start + prefill
             ─▶ at end: the node's LRU pool stores the request's blocks, the index learns them
 
-Each node has a real store.pool.BlockPool as its LRU (with optional modelled
+Each node has a real store.pool.BlockPool (behind NodeBlocks) as its LRU (with optional modelled
 host and SSD tiers under it, cluster/replay/sim_node.py) and the cluster a real
 router.index.BlockIndex that records each block's tier; the policies and
 cost model are router.policy's. A hit in host or on the SSD costs its read

