@@ -3,7 +3,8 @@
     prepare(body)  tokenize (chat template first), check model / context / salt
     explain(req)   keys -> index.longest_prefix -> policy.choose, with every term
     generate(req)  choose -> POST worker /generate -> events; a worker that fails
-                   before streaming anything is excluded and the request retried
+                   before streaming anything (unreachable, a 503 while it drains, a 5xx
+                   Failed event before the first token) is excluded and the request retried
 
 Knows nothing of HTTP servers or etcd: the cluster view (the etcd mirror, or a
 plain index in tests and the simulator) and the worker client are given to it.
@@ -205,6 +206,8 @@ class Router:
                 stream = self.client.generate(worker.http_url, self._worker_request(prepared, plan))
                 async with contextlib.aclosing(stream):  # a client gone closes the worker's stream now
                     async for event in stream:
+                        if isinstance(event, Failed) and not streamed and event.status >= 500:
+                            raise WorkerUnreachable(f"failed before the first token: {event.message}")
                         if isinstance(event, Token) and not streamed:
                             streamed = True
                             self.inflight.started(ticket)

@@ -2,7 +2,7 @@
 
     cluster = LocalCluster(num_workers=2).start()   # prints nothing; .router_url
     ...
-    cluster.stop()                                  # by PID, workers first; no process left
+    cluster.stop()                                  # by PID, each drains on SIGTERM; no process left
 
 Each component is the same `prefixpool etcd|worker|router` a deployment runs;
 components bind port 0 and announce their URL on a READY line. Knows nothing
@@ -32,7 +32,7 @@ class LocalCluster:
     log_dir: Path | None = None
     etcd: EtcdServer | None = None
     workers: dict[str, Child] = field(default_factory=dict)
-    router: Child | None = None
+    routers: dict[str, Child] = field(default_factory=dict)
 
     def start(self) -> "LocalCluster":
         self._own_logs = self.log_dir is None
@@ -42,8 +42,7 @@ class LocalCluster:
             self.etcd = EtcdServer().start()
             for i in range(self.num_workers):
                 self.start_worker(f"worker-{i}")
-            self.router = spawn("router", python_argv("router", "--port", "0", *self._common(), *self.router_args),
-                                self.log_dir, self.env)
+            self.start_router("router")
         except BaseException:
             self.stop()
             raise
@@ -58,16 +57,33 @@ class LocalCluster:
         self.workers[node_id] = child
         return child
 
+    def start_router(self, name: str, port: int = 0) -> Child:
+        """A router (more than one may serve the same cluster); `port` 0 picks a free one."""
+        child = spawn(name, python_argv("router", "--port", str(port), *self._common(), *self.router_args),
+                      self.log_dir, self.env)
+        self.routers[name] = child
+        return child
+
+    @property
+    def router(self) -> Child | None:
+        return self.routers.get("router")
+
     @property
     def router_url(self) -> str:
         assert self.router is not None, "cluster not started"
         return self.router.url
 
     def stop(self) -> None:
-        """Stop everything this cluster started, by PID: router, workers, then etcd."""
-        for child in [self.router, *self.workers.values()]:
-            if child is not None:
-                child.stop()
+        """Stop everything this cluster started, by PID, each draining on SIGTERM: the routers first
+        (their streams finish while the workers still serve), then every worker at once, then etcd."""
+        for child in self.routers.values():
+            child.terminate()
+        for child in self.routers.values():
+            child.stop()
+        for child in self.workers.values():
+            child.terminate()
+        for child in self.workers.values():
+            child.stop()
         if self.etcd is not None:
             self.etcd.close()
         if getattr(self, "_own_logs", False) and self.log_dir is not None:
@@ -95,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     with cluster:
         print(f"prefixpool is up: {cluster.router_url}  (OpenAI API at {cluster.router_url}/v1)", flush=True)
         print(f"etcd {cluster.etcd.endpoint}; workers: {', '.join(c.url for c in cluster.workers.values())}", flush=True)
-        print("Ctrl-C stops everything.", flush=True)
+        print("Ctrl-C drains and stops everything.", flush=True)
         try:
             stopping.wait()
         except KeyboardInterrupt:

@@ -2,6 +2,11 @@
 
     etcd Mirror (snapshot + watch) ─▶ Router (policy, cost model) ─▶ HTTP (OpenAI API)
 
+SIGTERM / SIGINT drains: /readyz turns 503 at once, new completions get a 503
+`router_draining`, in-flight requests and streams finish (up to
+--drain-deadline-s, then they end with an error event), then the server, the
+worker connections and the etcd watch are closed and the process exits.
+
 The cost model's prefill speed follows what workers report in their etcd
 records (the mean over workers that have measured one), so routing adapts to
 the hardware it runs on.
@@ -26,6 +31,7 @@ from cluster.deploy.processes import announce_ready
 from cluster.deploy.router_settings import RouterSettings
 from cluster.deploy.settings import add_flags, from_args
 from router.cost_model import CostModel
+from router.contract.drain import Drain
 from router.http import build_app
 from router.service import Router, RouterConfig
 from router.worker_client import WorkerClient
@@ -65,7 +71,8 @@ async def serve(settings: RouterSettings) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.host, settings.port))
-    runner = web.AppRunner(build_app(router), access_log=None)
+    gate = Drain()
+    runner = web.AppRunner(build_app(router, gate), access_log=None)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     speed_task = asyncio.create_task(_follow_prefill_speed(router, mirror))
@@ -76,6 +83,10 @@ async def serve(settings: RouterSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    gate.begin(settings.drain_deadline_s)
+    log.info("router draining (deadline %gs): %d requests in flight", settings.drain_deadline_s, gate.num_admitted)
+    report = await gate.wait()
+    log.info("router drained in %.2fs: %d cut by the deadline", report.seconds, report.num_cut)
     speed_task.cancel()
     await runner.cleanup()
     await client.close()
