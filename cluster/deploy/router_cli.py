@@ -37,6 +37,7 @@ from router.service import Router, RouterConfig
 from router.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
+SNAPSHOT_WAIT_S = 10.0  # longest a starting router waits for its first etcd snapshot before it listens
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +69,10 @@ async def serve(settings: RouterSettings) -> None:
     client = WorkerClient(settings.worker_token, read_timeout_s=settings.request_timeout_s)
     router = build_router(settings, mirror, client)
     await mirror.start()
+    try:  # listen with a synced view: a restarted router must not answer "no worker" while it has them
+        await mirror.wait_revision(1, timeout_s=SNAPSHOT_WAIT_S)
+    except TimeoutError:
+        log.warning("no etcd snapshot yet; serving, /readyz stays 503 until workers appear")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.host, settings.port))
