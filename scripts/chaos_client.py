@@ -54,7 +54,8 @@ class Outcome:
 
     @property
     def not_taken(self) -> bool:
-        """The router never took the request: refused the connection, or draining (503 router_draining)."""
+        """The router never took the request: refused or reset the connection before answering anything,
+        or answered 503 router_draining."""
         error = self.error if isinstance(self.error, dict) else {}
         code = error.get("error", {}).get("code") if isinstance(error.get("error"), dict) else None
         return (self.status == 0 and "connect" in error) or (self.status == 503 and code == "router_draining")
@@ -94,8 +95,10 @@ class ApiClient:
         if stream:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
         started = time.perf_counter()
+        answering = False
         try:
             async with self.session.post(base_url + "/v1/completions", json=body) as response:
+                answering = True
                 if response.status != 200 or not stream:
                     payload = await response.json(content_type=None)
                     if response.status != 200:
@@ -105,14 +108,18 @@ class ApiClient:
                 return await _read_stream(prompt, salt, response, started)
         except aiohttp.ClientConnectorError as err:  # nothing was sent
             return Outcome(prompt, 0, error={"connect": repr(err)}, salt=salt)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as err:
+            # reset before any response byte: the request sat in a closing listener's backlog, never taken
+            return Outcome(prompt, 0, error={"connect" if not answering else "transport": repr(err)}, salt=salt)
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as err:
             return Outcome(prompt, 0, error={"transport": repr(err)}, salt=salt)
 
 
 class BalancedClient(ApiClient):
     """One client over several routers, as a load balancer in front of them: round robin, a fresh
-    connection per request, and a request a router did not take (connection refused, or a 503
-    `router_draining`) goes to the next router. A request a router took is never sent twice."""
+    connection per request, and a request a router did not take (connection refused or reset before
+    any response byte, or a 503 `router_draining`) goes to the next router, as a balancer retrying on
+    connect-failure and reset-before-response would. A request a router answered is never sent twice."""
 
     def __init__(self, base_urls: list[str], api_key: str = "", timeout_s: float = 120.0,
                  max_tries: int = 8, retry_pause_s: float = 0.05) -> None:

@@ -6,17 +6,23 @@ both) under steady streaming load: every worker, then every router, restarted
 by SIGTERM in turn, each while it has work in flight. Oracle: every answer
 equals the prompt's cold output; every request is answered in full. Last, a
 worker whose drain deadline is 0 cuts the stream it holds with an error event
-that reaches the client before `[DONE]`, and exits 0.
+that reaches the client before `[DONE]`, and exits 0. And `prefixpool up`
+drains on SIGTERM: a stream running then completes, and no process is left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import aiohttp
 import pytest
 
+from cluster.deploy.processes import die_with_parent
 from router.contract.drain import Drain, DrainDeadline, Draining
 from scripts.chaos_client import BalancedClient, Oracle, Tally, steady_load, workload
 from scripts.chaos_faults import cluster_for, pids_alive, quiet_pools, spawn_worker, wait_ready, warm_directly
@@ -205,3 +211,48 @@ async def _cut_a_stream(cluster, node_id: str) -> tuple[list[str], int]:
                 await stopping
                 return [line for line in lines if line], child.process.returncode
     raise AssertionError(f"no stream landed on {node_id} in 30 tries")
+
+
+def test_prefixpool_up_drains_on_sigterm():
+    """`prefixpool up`: a stream running at SIGTERM still completes, then everything exits (etcd last)."""
+    up = subprocess.Popen([sys.executable, "-m", "cluster.deploy.cli", "up", "--workers", "1"],
+                          stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+    try:
+        url = _up_url(up)
+        children = _children(up.pid)
+        assert len(children) == 3  # etcd, a worker, the router
+
+        async def stream_across_sigterm() -> list[str]:
+            body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+                async with session.post(f"{url}/v1/completions", json=body) as response:
+                    lines = [(await response.content.readline()).decode().strip()]  # a token is out
+                    up.send_signal(signal.SIGTERM)
+                    lines += [raw.decode().strip() async for raw in response.content]
+            return [line for line in lines if line]
+
+        lines = asyncio.run(stream_across_sigterm())
+        assert up.wait(timeout=120) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    chunks = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]" and not any("error" in c for c in chunks), lines[-3:]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(1 for c in chunks if c["choices"][0].get("text")) > 1
+    assert pids_alive(children) == []
+
+
+def _up_url(up: subprocess.Popen) -> str:
+    for line in up.stdout:  # bounded: up exits (closing stdout) if it cannot start
+        if line.startswith("prefixpool is up: "):
+            return line.split()[3]
+    raise AssertionError(f"prefixpool up did not start (exit {up.wait()})")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(p) for p in (task / "children").read_text().split()]
+    return found
