@@ -114,7 +114,8 @@ def print_row(result: PhaseResult) -> None:
 # -- rolling restarts ------------------------------------------------------------------------------
 
 ROLLING_HEADER = ("| restarted in turn, under load | requests | served in full | clean failures | unclean | wrong outputs "
-                  "| drains (busy at SIGTERM) | exit codes | longest drain s |\n|---|---|---|---|---|---|---|---|---|")
+                  "| drains (busy at SIGTERM) | exit codes | longest drain s | longest SIGTERM to exit s |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|")
 
 
 async def run_rolling(cluster: LocalCluster, requests: int, max_tokens: int = 32) -> list[PhaseResult]:
@@ -136,7 +137,9 @@ async def run_rolling(cluster: LocalCluster, requests: int, max_tokens: int = 32
                 stop.set()
             tally = Tally.of(await load, oracle)
             await quiet_pools(cluster)
-            results.append(PhaseResult(name, tally, max(d.seconds for d in drains), True, _drains_note(drains)))
+            longest_drain = max(d.drain_s if d.drain_s is not None else float("nan") for d in drains)
+            note = f"{_drains_note(drains)} | {longest_drain:.2f}"
+            results.append(PhaseResult(name, tally, max(d.seconds for d in drains), True, note))
             print_rolling_row(results[-1])
     finally:
         await client.close()

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 
@@ -30,8 +32,15 @@ from scripts.chaos_faults import spawn_worker, wait_ready, wait_until
 class DrainRecord:
     name: str
     busy_at_sigterm: int  # streams (worker) or requests (router) in flight just before SIGTERM
-    seconds: float  # SIGTERM -> process exited
+    seconds: float  # SIGTERM -> process exited (interpreter teardown included)
     exit_code: int
+    drain_s: float | None  # SIGTERM -> nothing admitted any more, as the process logged it
+
+
+def logged_drain_s(log_path: Path) -> float | None:
+    """The drain time the component logged ("... drained in 0.42s ...") before it exited."""
+    found = re.findall(r"drained in ([0-9.]+)s", log_path.read_text(errors="replace"))
+    return float(found[-1]) if found else None
 
 
 async def _get(url: str) -> tuple[int, str]:
@@ -62,7 +71,8 @@ async def drain(child: Child, busy, busy_timeout_s: float = 30.0) -> DrainRecord
     await wait_until(has_work, busy_timeout_s, f"{child.name} having work in flight", period_s=0.01)
     began = time.monotonic()
     await asyncio.to_thread(child.stop)
-    return DrainRecord(child.name, found[-1], time.monotonic() - began, child.process.returncode)
+    seconds = time.monotonic() - began
+    return DrainRecord(child.name, found[-1], seconds, child.process.returncode, logged_drain_s(child.log_path))
 
 
 async def rolling_restart_workers(cluster: LocalCluster, client: ApiClient) -> list[DrainRecord]:
