@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from store.tier_names import DEVICE, DISK, HOST
+
 GB = 1e9
 
 
@@ -47,8 +49,8 @@ class CostModel:
 
     def tier_read_s(self, tier: str, num_blocks: int) -> float:
         """Seconds to bring `num_blocks` up from `tier` (a worker's "disk" tier is the SSD)."""
-        bandwidth = {"device": None, "host": self.host_read_bytes_per_s, "disk": self.ssd_read_bytes_per_s,
-                     "ssd": self.ssd_read_bytes_per_s}[tier]
+        bandwidth = {DEVICE: None, HOST: self.host_read_bytes_per_s, DISK: self.ssd_read_bytes_per_s,
+                     "ssd": self.ssd_read_bytes_per_s}[tier]  # "ssd": what operators call the disk tier
         return 0.0 if bandwidth is None else num_blocks * self.block_bytes / bandwidth
 
     def with_prefill_speed(self, tokens_per_s: float) -> "CostModel":

@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from store.keys import BlockKey
-
-DEVICE = "device"
+from store.tier_names import DEVICE
 
 
 class BlockIndex:

@@ -25,9 +25,10 @@ from router.inflight import InflightTracker
 from router.metrics import RouterMetrics
 from router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_tokens
 from router.cost_model import CostModel
-from router.index import DEVICE
+from store.tier_names import DEVICE
 from router.policy import NodeLoad, Plan, RouteRequest, policies
-from router.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, Token
+from router.contract.chat_template import ChatTemplateError
+from router.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Token
 from router.worker_client import WorkerClient, WorkerUnreachable
 from store.keys import BlockKey, Namespace, chain
 
@@ -65,12 +66,8 @@ class Prepared:
     stream: bool
     include_usage: bool
     tokens: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
+    sampling: SamplingParams
     cache_salt: str
-    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,15 +121,19 @@ class Router:
         return Prepared(
             request_id=f"{'chatcmpl' if isinstance(body, ChatBody) else 'cmpl'}-{uuid.uuid4().hex}",
             model=self.model, chat=isinstance(body, ChatBody), stream=getattr(body, "stream", False),
-            include_usage=bool(options and options.include_usage), tokens=tokens, max_tokens=max_tokens,
-            temperature=getattr(body, "temperature", 0.0), top_p=getattr(body, "top_p", 1.0),
-            seed=getattr(body, "seed", None), cache_salt=body.cache_salt, ignore_eos=getattr(body, "ignore_eos", False),
+            include_usage=bool(options and options.include_usage), tokens=tokens, cache_salt=body.cache_salt,
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=getattr(body, "temperature", 0.0),
+                                    top_p=getattr(body, "top_p", 1.0), seed=getattr(body, "seed", None),
+                                    ignore_eos=getattr(body, "ignore_eos", False)),
         )
 
     def _tokens_of(self, body: CompletionBody | ChatBody | RouteBody) -> list[int]:
         messages = getattr(body, "messages", None)
         if messages is not None:
-            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
+            try:
+                text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
+            except ChatTemplateError as err:
+                raise InvalidRequest(str(err), param="messages") from err
             tokens = self.tokenizer.encode(text)
         elif isinstance(body.prompt, str):
             tokens = self.tokenizer.encode(body.prompt)
@@ -235,9 +236,8 @@ class Router:
             if peer is not None:
                 fetch = FetchPlan(plan.fetch_from, peer.transfer_url, plan.fetch_start, plan.fetch_end)
         return GenerateRequest(
-            request_id=prepared.request_id, tokens=prepared.tokens, max_tokens=prepared.max_tokens,
-            temperature=prepared.temperature, top_p=prepared.top_p, seed=prepared.seed,
-            cache_salt=prepared.cache_salt, ignore_eos=prepared.ignore_eos, fetch=fetch,
+            request_id=prepared.request_id, tokens=prepared.tokens, sampling=prepared.sampling,
+            cache_salt=prepared.cache_salt, fetch=fetch,
         )
 
     def failure(self, event: Failed) -> APIError:

@@ -93,7 +93,7 @@ def overhead(num_tokens: int, requests: int) -> dict[str, list[float]]:
                     break
             time.sleep(0.1)
         via_router = {"model": "tiny", "prompt": tokens, "max_tokens": 1, "temperature": 0}
-        direct = {"request_id": "bench", "tokens": tokens, "max_tokens": 1}
+        direct = {"request_id": "bench", "tokens": tokens, "sampling": {"max_tokens": 1}}
         _post(f"{cluster.router_url}/v1/completions", via_router)  # computes and caches the prefix
         times: dict[str, list[float]] = {"router": [], "direct": []}
         for _ in range(requests):

@@ -35,6 +35,7 @@ import xxhash  # noqa: E402
 from store.arena import ArenaShape, KVArena  # noqa: E402
 from store.keys import Namespace, chain_ids  # noqa: E402
 from store.pool import BlockPool  # noqa: E402
+from scripts.native_logs import send_native_logs_to  # noqa: E402
 
 BLOCK_SIZES = {"256 KiB": 256 << 10, "2 MiB": 2 << 20, "16 MiB": 16 << 20}
 MOVERS = ("raw socket", "prefixpool TCP", "prefixpool UCX", "Mooncake TCP")
@@ -221,7 +222,9 @@ def main() -> None:
     parser.add_argument("--arena-mib", type=int, default=256, help="arena size on each side")
     parser.add_argument("--movers", default=",".join(MOVERS), help="comma-separated subset of the columns")
     parser.add_argument("--blocks", default=",".join(BLOCK_SIZES), help="comma-separated subset of the rows")
+    parser.add_argument("--log-file", default=None, help="where Mooncake's and UCX's logs go (default: a temp file)")
     args = parser.parse_args()
+    send_native_logs_to(args.log_file)
     movers = [m for m in MOVERS if m in args.movers.split(",")]
     arena_bytes = args.arena_mib << 20
     passes = max(1, args.total_mib // args.arena_mib)

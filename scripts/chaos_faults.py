@@ -204,7 +204,8 @@ async def warm_directly(cluster: LocalCluster, node_id: str, prompts: list[str],
     headers = {AUTH_HEADER: token} if token else {}
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as session:
         for i, prompt in enumerate(prompts):
-            request = {"request_id": f"warm-{i}", "tokens": tokenizer.encode(prompt), "max_tokens": 1, "cache_salt": salt}
+            request = {"request_id": f"warm-{i}", "tokens": tokenizer.encode(prompt), "sampling": {"max_tokens": 1},
+                       "cache_salt": salt}
             async with session.post(f"{cluster.workers[node_id].url}/generate", json=request) as response:
                 assert response.status == 200, await response.text()
                 await response.read()

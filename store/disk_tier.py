@@ -24,12 +24,13 @@ import torch
 
 from store.keys import KEY_BYTES, BlockKey
 from store.record import HEADER_BYTES, RecordError, RecordHeader, header_for, verify
+from store.tier_names import DISK
 
 SUFFIX = ".blk"
 
 
 class DiskTier:
-    name = "disk"
+    name = DISK
 
     def __init__(self, directory: str | Path, block_bytes: int, max_blocks: int, queue_blocks: int = 64) -> None:
         if max_blocks <= 0 or queue_blocks <= 0:

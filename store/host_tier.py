@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from store.keys import BlockKey
+from store.tier_names import HOST
 
 
 def as_uint8(payload: torch.Tensor | bytes | bytearray | memoryview) -> torch.Tensor:
@@ -29,7 +30,7 @@ def as_uint8(payload: torch.Tensor | bytes | bytearray | memoryview) -> torch.Te
 
 
 class HostTier:
-    name = "host"
+    name = HOST
 
     def __init__(self, num_blocks: int, block_bytes: int, pin_memory: bool | None = None) -> None:
         if num_blocks <= 0 or block_bytes <= 0:

@@ -29,8 +29,7 @@ from store.disk_tier import DiskTier
 from store.host_tier import HostTier, as_uint8
 from store.keys import BlockKey
 from store.pool import Allocation, BlockPool, PoolExhausted
-
-DEVICE = "device"
+from store.tier_names import DEVICE
 
 
 class LowerTier(Protocol):

@@ -116,8 +116,8 @@ def test_busy_holder_sends_to_idle_worker_with_a_fetch(cluster, client):
 
 
 def _start_direct(worker_url: str, seed: int):
-    body = {"request_id": f"busy-{seed}", "tokens": list(range(1, 200)), "max_tokens": 1000, "seed": seed,
-            "ignore_eos": True}
+    body = {"request_id": f"busy-{seed}", "tokens": list(range(1, 200)),
+            "sampling": {"max_tokens": 1000, "seed": seed, "ignore_eos": True}}
     request = urllib.request.Request(worker_url + "/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     response = urllib.request.urlopen(request, timeout=120)

@@ -75,7 +75,7 @@ def test_router_requires_the_api_key(cluster):
 
 def test_worker_api_refuses_peers_without_the_token(cluster):
     url = cluster.workers["worker-0"].url
-    generate = json.dumps({"request_id": "x", "tokens": [65, 66], "max_tokens": 1}).encode()
+    generate = json.dumps({"request_id": "x", "tokens": [65, 66], "sampling": {"max_tokens": 1}}).encode()
     for headers in ({}, {AUTH_HEADER: "wrong"}):
         assert call(url + "/generate", generate, headers)[0] == 401
         assert call(url + "/load", None, headers)[0] == 401

@@ -25,19 +25,27 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand is listed; only `selected` is imported (so `--help` and `version` stay cheap)."""
     parser = argparse.ArgumentParser(prog="prefixpool", description="A distributed prefix-cache pool for LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(module_name)
         command = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(command)
-        command.set_defaults(run=module.run)
+        if name == selected:
+            module = importlib.import_module(module_name)
+            module.add_arguments(command)
+            command.set_defaults(run=module.run)
     return parser
 
 
+def selected_command(argv: list[str]) -> str | None:
+    """The subcommand named on the command line (the first word that is one), if any."""
+    return next((word for word in argv if word in COMMANDS), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(selected_command(argv)).parse_args(argv)
     return int(args.run(args) or 0)
 
 

@@ -100,8 +100,8 @@ class Demo:
             stop.set()
 
     def _keep_busy(self, worker: str, seed: int, stop: threading.Event) -> None:
-        body = {"request_id": f"demo-busy-{seed}", "tokens": list(range(1, 100)), "max_tokens": 600,
-                "seed": seed, "ignore_eos": True}
+        body = {"request_id": f"demo-busy-{seed}", "tokens": list(range(1, 100)),
+                "sampling": {"max_tokens": 600, "seed": seed, "ignore_eos": True}}
         request = urllib.request.Request(f"{self.cluster.workers[worker].url}/generate",
                                          data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=300) as reply:

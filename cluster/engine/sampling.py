@@ -6,36 +6,17 @@
     stop                    "stop" at EOS or a stop id, "length" at max_tokens
 
 A seeded request draws the same tokens on every run and every worker,
-whatever else shares its batch. Knows nothing of models, pools or batches.
+whatever else shares its batch. The parameters are the wire contract's SamplingParams
+(router -> worker -> engine, one struct). Knows nothing of models, pools or batches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from router.contract.worker_api import SamplingError, SamplingParams
 
-class SamplingError(ValueError):
-    """Sampling parameters outside their valid range."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise SamplingError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+__all__ = ["Sampler", "SamplingError", "SamplingParams", "top_p_filter"]
 
 
 class Sampler:

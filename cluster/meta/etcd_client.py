@@ -17,6 +17,7 @@ blocks or the key layout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -122,6 +123,21 @@ class EtcdClient:
             self._current = (self._current + 1) % len(self.endpoints)
         return translated
 
+    @contextlib.asynccontextmanager
+    async def _translated(self) -> AsyncIterator[None]:
+        """The one error path: what the library raises leaves as an EtcdError (unreachable: next endpoint)."""
+        try:
+            yield
+        except EtcdError:
+            raise
+        except Exception as error:
+            raise await self._failed(error) from error
+
+    @contextlib.asynccontextmanager
+    async def _session(self) -> AsyncIterator[aetcd.Client]:
+        async with self._translated():
+            yield await self._connected()
+
     async def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
@@ -134,7 +150,7 @@ class EtcdClient:
 
     async def get_prefix(self, prefix: bytes) -> Snapshot:
         """Every key under prefix, all read at one revision (paged, so large ranges stay consistent)."""
-        try:
+        async with self._translated():
             end = prefix_range_end(prefix)
             response = await self._range(prefix, end, 0)
             revision = response.header.revision
@@ -143,8 +159,6 @@ class EtcdClient:
                 response = await self._range(kvs[-1].key + b"\0", end, revision)
                 kvs.extend(KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease) for kv in response.kvs)
             return Snapshot(revision, kvs)
-        except Exception as error:
-            raise await self._failed(error) from error
 
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         return await self.apply([(key, value)], [], lease)
@@ -154,70 +168,50 @@ class EtcdClient:
         ops = [rpc.RequestOp(request_put=rpc.PutRequest(key=k, value=v, lease=lease)) for k, v in puts]
         ops += [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k)) for k in deletes]
         revision = 0
-        try:
-            client = await self._connected()
+        async with self._session() as client:
             for start in range(0, len(ops), MAX_TXN_OPS):
                 request = rpc.TxnRequest(success=ops[start : start + MAX_TXN_OPS])
                 response = await client.kvstub.Txn(request, timeout=self.timeout_s)
                 revision = response.header.revision
-        except Exception as error:
-            raise await self._failed(error) from error
         return revision
 
     async def delete_prefix(self, prefix: bytes) -> int:
-        try:
-            client = await self._connected()
+        async with self._session() as client:
             request = rpc.DeleteRangeRequest(key=prefix, range_end=prefix_range_end(prefix))
             return (await client.kvstub.DeleteRange(request, timeout=self.timeout_s)).header.revision
-        except Exception as error:
-            raise await self._failed(error) from error
 
     async def grant(self, ttl_s: int) -> int:
-        try:
-            client = await self._connected()
+        async with self._session() as client:
             response = await client.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl_s), timeout=self.timeout_s)
             return response.ID
-        except Exception as error:
-            raise await self._failed(error) from error
 
     async def keepalive(self, lease_id: int) -> int:
         """Refresh the lease once; the TTL it now has. Raises LeaseNotFound when it is gone."""
-        try:
-            client = await self._connected()
+        async with self._session() as client:
             requests = iter([rpc.LeaseKeepAliveRequest(ID=lease_id)])
             call = client.leasestub.LeaseKeepAlive(requests, timeout=self.timeout_s)
             async for reply in call:
                 if reply.TTL <= 0:
                     raise LeaseNotFound(f"lease {lease_id:x} is gone")
                 return reply.TTL
-        except LeaseNotFound:
-            raise
-        except Exception as error:
-            raise await self._failed(error) from error
         raise EtcdUnavailable("keepalive stream closed without an answer")
 
     async def revoke(self, lease_id: int) -> int:
         """Revoke (deleting its keys); the revision after. A lease already gone is not an error (0)."""
         try:
-            client = await self._connected()
-            request = rpc.LeaseRevokeRequest(ID=lease_id)
-            return (await client.leasestub.LeaseRevoke(request, timeout=self.timeout_s)).header.revision
-        except Exception as error:
-            translated = await self._failed(error)
-            if not isinstance(translated, LeaseNotFound):
-                raise translated from error
-        return 0
+            async with self._session() as client:
+                request = rpc.LeaseRevokeRequest(ID=lease_id)
+                return (await client.leasestub.LeaseRevoke(request, timeout=self.timeout_s)).header.revision
+        except LeaseNotFound:
+            return 0
 
     async def compact(self, revision: int) -> None:
-        try:
-            client = await self._connected()
+        async with self._session() as client:
             await client.kvstub.Compact(rpc.CompactionRequest(revision=revision, physical=True), timeout=self.timeout_s)
-        except Exception as error:
-            raise await self._failed(error) from error
 
     async def watch_prefix(self, prefix: bytes, start_revision: int) -> "Watch":
-        client = await self._connected()
-        return Watch(self, rpc.WatchStub(client.channel), prefix, start_revision)
+        async with self._session() as client:
+            return Watch(self, rpc.WatchStub(client.channel), prefix, start_revision)
 
 
 class Watch:
@@ -239,7 +233,7 @@ class Watch:
         self._call.cancel()
 
     async def __aiter__(self) -> AsyncIterator[WatchBatch]:
-        try:
+        async with self._owner._translated():
             async for response in self._call:
                 if response.compact_revision:
                     raise RevisionCompacted(response.compact_revision)
@@ -250,10 +244,4 @@ class Watch:
                 events = [WatchEvent(e.type == rpc.Event.PUT, e.kv.key, e.kv.value, e.kv.mod_revision)
                           for e in response.events]  # fmt: skip
                 yield WatchBatch(max(e.revision for e in events), events)
-        except (RevisionCompacted, EtcdUnavailable):
-            raise
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:
-            raise await self._owner._failed(error) from error
         raise EtcdUnavailable("watch stream ended")

@@ -25,7 +25,7 @@ from typing import Callable, Iterable
 from cluster.meta.etcd_client import EtcdClient, EtcdError, LeaseNotFound
 from cluster.meta.layout import Layout
 from cluster.meta.membership import Membership
-from router.index import DEVICE
+from store.tier_names import DEVICE
 from store.keys import BlockKey
 
 log = logging.getLogger(__name__)

@@ -63,8 +63,8 @@ async def _generate(request: web.Request, drain: Drain) -> web.StreamResponse:
         body = _request_decoder.decode(await request.read())
     except msgspec.DecodeError as err:
         return _error(400, f"bad generate request: {err}")
-    if not body.tokens or body.max_tokens < 1:
-        return _error(400, "tokens must be non-empty and max_tokens at least 1")
+    if not body.tokens:
+        return _error(400, "tokens must be non-empty")
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     try:

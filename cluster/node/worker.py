@@ -26,7 +26,6 @@ from typing import AsyncIterator, Protocol
 
 from cluster.engine.batch import Batch, TokenEvent
 from cluster.engine.scheduler import Engine
-from cluster.engine.sampling import SamplingParams
 from cluster.node.tiers import DeviceOnly, NodeTiers, by_tier
 from router.contract.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage, WorkerLoad
 from store.keys import BlockKey, Namespace, chain
@@ -109,9 +108,7 @@ class Worker:
         self._promote(keys, stream)
         self.pins.record_hits(keys[: len(self.pool.match(keys))])
         try:
-            params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
-                                    top_p=request.top_p, seed=request.seed, ignore_eos=request.ignore_eos)
-            request_id = self.engine.submit(request.tokens, params, keys=keys)
+            request_id = self.engine.submit(request.tokens, request.sampling, keys=keys)
         except ValueError as err:  # bad sampling values, or a request that can never fit this worker
             self.pool.free(stream.pinned)
             yield Failed(str(err), 400)

@@ -20,8 +20,8 @@ from typing import Sequence
 
 from store.keys import BlockKey
 from store.pool import BlockPool
+from store.tier_names import DEVICE, DISK, HOST
 
-DEVICE, HOST, DISK = "device", "host", "disk"
 
 
 class SimNode:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -71,52 +71,68 @@ def _capacity(config: SimConfig, records: list[TraceRecord]) -> int:
 
 
 def simulate(records: list[TraceRecord], policy: str, config: SimConfig) -> SimResult:
-    costs, block = config.costs, config.costs.block_size
     capacity = _capacity(config, records)
     nodes = {f"n{i}": SimNode(f"n{i}", capacity, config.host_blocks, config.disk_blocks) for i in range(config.num_nodes)}
-    tiered = bool(config.host_blocks or config.disk_blocks)
-    index, choose, rng = BlockIndex(), policies()[policy], random.Random(config.seed)
-    finishing: list[tuple[float, int, str, list[BlockKey], int]] = []  # (end, seq, node, keys, tokens)
-    ttfts, fractions, hit_tokens, moved = [], [], 0, 0
+    run = _Run(config, nodes, policies()[policy], random.Random(config.seed))
+    for seq, record in enumerate(records):
+        run.finish_until(record.timestamp_ms / 1000.0)
+        run.admit(seq, record)
+    ttft = np.array(run.ttfts)
+    return SimResult(policy, len(records), run.hit_tokens / sum(r.input_length for r in records), ttft,
+                     np.array(run.fractions), int((ttft > config.slo_s).sum()), run.moved,
+                     np.array([n.busy_s for n in nodes.values()]))
 
-    def finish_until(now: float) -> None:
-        while finishing and finishing[0][0] <= now:
-            _, _, name, keys, tokens = heapq.heappop(finishing)
-            node = nodes[name]
+
+@dataclass
+class _Run:
+    """One replay's state: the nodes, the cluster index, the prefills in flight, the tallies."""
+
+    config: SimConfig
+    nodes: dict[str, SimNode]
+    choose: Callable
+    rng: random.Random
+    index: BlockIndex = field(default_factory=BlockIndex)
+    finishing: list[tuple[float, int, str, list[BlockKey], int]] = field(default_factory=list)  # (end, seq, node, keys, tokens)
+    ttfts: list[float] = field(default_factory=list)
+    fractions: list[float] = field(default_factory=list)
+    hit_tokens: int = 0
+    moved: int = 0
+
+    def finish_until(self, now: float) -> None:
+        """Prefills ended by `now` store their blocks; the index learns each block's tier."""
+        while self.finishing and self.finishing[0][0] <= now:
+            _, _, name, keys, tokens = heapq.heappop(self.finishing)
+            node = self.nodes[name]
             node.queued_tokens -= tokens
             for key in node.store(keys):
                 tier = node.tier_of(key)
                 if tier is None:
-                    index.remove(name, [key])
+                    self.index.remove(name, [key])
                 else:
-                    index.add(name, [key], tier)
+                    self.index.add(name, [key], tier)
 
-    for seq, record in enumerate(records):
-        arrival = record.timestamp_ms / 1000.0
-        finish_until(arrival)
+    def admit(self, seq: int, record: TraceRecord) -> None:
+        """Route one arrival with the router's policy and queue its prefill on the chosen node."""
+        costs, arrival = self.config.costs, record.timestamp_ms / 1000.0
         keys = keys_of(record, NAMESPACE)
-        matches = index.longest_prefix(keys)
-        loads = {n: NodeLoad(queued_prefill_tokens=node.queued_tokens) for n, node in nodes.items()}
-        lower = _lower_tiers(nodes, keys, matches) if tiered else {}
-        plan = choose(RouteRequest(record.input_length, len(keys), lower), matches, loads, costs, rng)
-        node = nodes[plan.worker]
+        matches = self.index.longest_prefix(keys)
+        loads = {n: NodeLoad(queued_prefill_tokens=node.queued_tokens) for n, node in self.nodes.items()}
+        lower = _lower_tiers(self.nodes, keys, matches) if self.config.host_blocks or self.config.disk_blocks else {}
+        plan = self.choose(RouteRequest(record.input_length, len(keys), lower), matches, loads, costs, self.rng)
+        node = self.nodes[plan.worker]
         read_s = sum(costs.tier_read_s(tier, n) for tier, n in lower.get(plan.worker, {}).items())
-        reused = min(plan.fetch_end * block, record.input_length)
+        reused = min(plan.fetch_end * costs.block_size, record.input_length)
         computed = max(1, record.input_length - reused)
-        transfer_s = costs.transfer_s(plan.fetch_end - plan.fetch_start) if plan.fetch_from else 0.0
-        start = max(node.free_at, arrival + transfer_s)
+        fetched = plan.fetch_end - plan.fetch_start if plan.fetch_from else 0
+        start = max(node.free_at, arrival + (costs.transfer_s(fetched) if plan.fetch_from else 0.0))
         prefill_s = read_s + costs.prefill_s(computed, reused)
         node.free_at, node.busy_s = start + prefill_s, node.busy_s + prefill_s
         node.queued_tokens += computed
-        heapq.heappush(finishing, (node.free_at, seq, plan.worker, keys, computed))
-        ttfts.append(node.free_at - arrival)
-        fractions.append(reused / record.input_length)
-        hit_tokens += reused
-        moved += (plan.fetch_end - plan.fetch_start) * costs.block_bytes if plan.fetch_from else 0
-    ttft = np.array(ttfts)
-    return SimResult(policy, len(records), hit_tokens / sum(r.input_length for r in records), ttft,
-                     np.array(fractions), int((ttft > config.slo_s).sum()), moved,
-                     np.array([n.busy_s for n in nodes.values()]))
+        heapq.heappush(self.finishing, (node.free_at, seq, plan.worker, keys, computed))
+        self.ttfts.append(node.free_at - arrival)
+        self.fractions.append(reused / record.input_length)
+        self.hit_tokens += reused
+        self.moved += fetched * costs.block_bytes
 
 
 def _lower_tiers(nodes: dict[str, SimNode], keys: Sequence[BlockKey], matches: dict[str, int]) -> dict:

@@ -4,13 +4,17 @@
     load_tokenizer("dir" or "x.json")  -> FileTokenizer over a local `tokenizer.json` (the `tokenizers` library);
                                           a directory without one falls back to bytes
 
-The chat template is one simple, documented format for every tokenizer (no
-Jinja from tokenizer_config.json):
+Chat messages become text through the checkpoint's own chat template
+(tokenizer_config.json or chat_template.jinja, rendered as transformers does:
+chat_template.py); a checkpoint without one refuses chat requests. Only the
+byte tokenizer of the presets uses a fixed, documented format:
 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
 
 each message as `<|{role}|>\\n{content}\\n`, then the assistant's open turn.
-Nothing is downloaded. Knows nothing of models, keys or workers.
+Rendered text is encoded without adding special tokens (the template writes
+them), as apply_chat_template(tokenize=True) does. Nothing is downloaded.
+Knows nothing of models, keys or workers.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pathlib import Path
 from typing import Protocol
 
 from tokenizers import Tokenizer as HFTokenizer
+
+from router.contract.chat_template import ChatTemplate, ChatTemplateError, read_chat_template
 
 BYTE_BOS, BYTE_EOS, BYTE_PAD = 256, 257, 258
 EOS_CANDIDATES = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>", "</s>", "<eos>")
@@ -62,13 +68,14 @@ class ByteTokenizer:
 class FileTokenizer:
     """A `tokenizers` tokenizer read from a local tokenizer.json."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, template: ChatTemplate | None = None) -> None:
         try:
             self._tokenizer = HFTokenizer.from_file(str(path))
         except Exception as err:  # the library raises a bare Exception for unreadable files
             raise TokenizerError(f"{path}: cannot read tokenizer: {err}") from err
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = self._eos_id(path.parent / "tokenizer_config.json")
+        self.template = template
 
     def _eos_id(self, config_path: Path) -> int | None:
         names = list(EOS_CANDIDATES)
@@ -90,7 +97,10 @@ class FileTokenizer:
         return self._tokenizer.decode(tokens, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return chat_template(messages)
+        if self.template is None:
+            raise ChatTemplateError("this model's checkpoint has no chat_template (tokenizer_config.json or "
+                                    "chat_template.jinja); send a prompt to /v1/completions instead")
+        return self.template.render(messages)
 
 
 def load_tokenizer(path: str | Path = "") -> Tokenizer:
@@ -104,4 +114,4 @@ def load_tokenizer(path: str | Path = "") -> Tokenizer:
         target = target / "tokenizer.json"
         if not target.is_file():
             return ByteTokenizer()
-    return FileTokenizer(target)
+    return FileTokenizer(target, read_chat_template(target.parent))

@@ -24,15 +24,35 @@ class FetchPlan(msgspec.Struct, frozen=True):
     end: int
 
 
-class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
-    request_id: str
-    tokens: list[int]
-    max_tokens: int
+class SamplingError(ValueError):
+    """Sampling parameters outside their valid range."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to choose tokens and when to stop: filled once by the router from the OpenAI body,
+    carried to the worker in GenerateRequest, handed to the engine as it is."""
+
+    max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    cache_salt: str = ""
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:  # decoding runs it too: a bad value is a DecodeError there
+        if self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    tokens: list[int]
+    sampling: SamplingParams
+    cache_salt: str = ""
     fetch: FetchPlan | None = None
 
 
