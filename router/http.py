@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from typing import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -23,7 +24,7 @@ from router.errors import APIError, InternalError, InvalidRequest, RouteNotFound
 from router.contract.drain import Drain, DrainDeadline, Draining
 from router.openai_schema import ChatBody, CompletionBody, RouteBody, decode
 from router.service import Prepared, Router
-from router.contract.worker_api import Done, Failed, Token
+from router.contract.worker_api import Done, Event, Failed, Token
 
 log = logging.getLogger(__name__)
 ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router", Router)
@@ -153,7 +154,8 @@ async def _serve_stream(request: web.Request, router: Router, prepared: Prepared
         return response
 
 
-async def _relay(prepared: Prepared, event, events, detok: Detokenizer, send) -> None:
+async def _relay(prepared: Prepared, event: Event, events: AsyncIterator[Event], detok: Detokenizer,
+                 send: Callable[[dict], Awaitable[None]]) -> None:
     """Stream events as SSE chunks from `event` on, until Done or Failed."""
     while True:
         if isinstance(event, Token):
