@@ -197,9 +197,16 @@ class Router:
     async def generate(self, prepared: Prepared) -> AsyncIterator[Token | Done | Failed]:
         """Events of the answer; before the first token, failures are retried on other workers."""
         excluded: set[str] = set()
+        refused: Failed | None = None  # a worker's 5xx before the first token: shown only if no other worker answers
         start = time.perf_counter()
         for _ in range(self.config.max_retries + 1):
-            plan, _ = self.decide(prepared, frozenset(excluded))
+            try:
+                plan, _ = self.decide(prepared, frozenset(excluded))
+            except ServiceUnavailable:
+                if refused is None:
+                    raise
+                yield refused
+                return
             worker = self.live_workers()[plan.worker]
             ticket = self.inflight.begin(plan.worker, plan.prefill_tokens)
             streamed = False
@@ -208,6 +215,7 @@ class Router:
                 async with contextlib.aclosing(stream):  # a client gone closes the worker's stream now
                     async for event in stream:
                         if isinstance(event, Failed) and not streamed and event.status >= 500:
+                            refused = event
                             raise WorkerUnreachable(f"failed before the first token: {event.message}")
                         if isinstance(event, Token) and not streamed:
                             streamed = True
@@ -227,6 +235,9 @@ class Router:
                 self.metrics.retries.inc()
             finally:
                 self.inflight.end(ticket)
+        if refused is not None:
+            yield refused
+            return
         raise ServiceUnavailable(f"no worker answered after {len(excluded)} attempts", code="workers_failed")
 
     def _worker_request(self, prepared: Prepared, plan: Plan) -> GenerateRequest:
