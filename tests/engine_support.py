@@ -26,3 +26,13 @@ def assert_clean(engine):
 def tokens(n, seed):
     rng = random.Random(seed)
     return [rng.randrange(256) for _ in range(n)]
+
+
+def copy_blocks(source, target, keys):
+    """What a network transfer does: raw bytes of each cached block into a fresh block elsewhere."""
+    block_ids = [source.pool.lookup(key) for key in keys]
+    allocation = target.pool.allocate(len(block_ids))
+    for src, dst, key in zip(block_ids, allocation.block_ids, keys):
+        target.arena.write_bytes(dst, bytes(source.arena.read_bytes(src)))
+        assert target.pool.commit(dst, key)
+    target.pool.free(allocation.block_ids)

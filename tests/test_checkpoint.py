@@ -22,7 +22,7 @@ def last_logits(model, prompt):
 
 
 @pytest.mark.parametrize("config", [preset("tiny"),
-                                    replace(preset("tiny"), attention_bias=True),
+                                    replace(preset("tiny"), attention_bias=True, model_type="qwen2"),
                                     replace(preset("tiny"), tie_word_embeddings=True)],
                          ids=["llama", "qwen2-bias", "tied"])
 def test_a_written_checkpoint_loads_to_the_same_logits(tmp_path, config):
@@ -80,7 +80,7 @@ def test_a_directory_without_config_or_weights_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(preset("tiny").to_hf()))
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         load_checkpoint(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     with pytest.raises(CheckpointError, match="lacks 'num_attention_heads'"):
         read_config(tmp_path)
 

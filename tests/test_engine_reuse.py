@@ -9,7 +9,7 @@ from cluster.engine.checkpoint import random_model
 from cluster.engine.model_config import preset
 from cluster.engine.sampling import SamplingParams
 from store.keys import chain
-from tests.engine_support import BLOCK, assert_clean, make_engine, tokens
+from tests.engine_support import BLOCK, assert_clean, copy_blocks, make_engine, tokens
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -26,16 +26,6 @@ def reference(model, prompt):
     output, _ = engine.generate(prompt, GREEDY)
     assert stats.num_cached_tokens == 0
     return logits, output
-
-
-def copy_blocks(source, target, keys):
-    """What a network transfer does: raw bytes of each cached block into a fresh block elsewhere."""
-    block_ids = [source.pool.lookup(key) for key in keys]
-    allocation = target.pool.allocate(len(block_ids))
-    for src, dst, key in zip(block_ids, allocation.block_ids, keys):
-        target.arena.write_bytes(dst, bytes(source.arena.read_bytes(src)))
-        assert target.pool.commit(dst, key)
-    target.pool.free(allocation.block_ids)
 
 
 # (prefix length, suffix length): exactly N blocks, partial last block, one-token suffix, all cached

@@ -26,7 +26,7 @@ from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
 from cluster.meta.mirror import Mirror
 from cluster.engine.model_config import torch_dtype
-from cluster.engine.model_source import cache_namespace, model_config, tokenizer_for
+from cluster.engine.model_source import MODEL_ERRORS, cache_namespace, model_config, tokenizer_for
 from cluster.deploy.processes import announce_ready
 from cluster.deploy.router_settings import RouterSettings
 from cluster.deploy.settings import add_flags, from_args
@@ -46,7 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(from_args(RouterSettings, args)))
+    try:
+        asyncio.run(serve(from_args(RouterSettings, args)))
+    except MODEL_ERRORS as err:  # a checkpoint we cannot serve: one line, not a traceback
+        raise SystemExit(f"prefixpool router: {err}") from None
     return 0
 
 

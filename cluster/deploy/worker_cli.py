@@ -30,7 +30,7 @@ from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
 from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
 from cluster.engine.model_config import arena_shape_for, resolve_device, torch_dtype
-from cluster.engine.model_source import build_model, cache_namespace, tokenizer_for
+from cluster.engine.model_source import MODEL_ERRORS, build_model, cache_namespace, tokenizer_for
 from cluster.node.tiers import DeviceOnly, NodeTiers
 from cluster.deploy.processes import announce_ready
 from cluster.meta.publisher import Publisher
@@ -60,7 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(from_args(WorkerSettings, args)))
+    try:
+        asyncio.run(serve(from_args(WorkerSettings, args)))
+    except MODEL_ERRORS as err:  # a checkpoint we cannot serve: one line, not a traceback
+        raise SystemExit(f"prefixpool worker: {err}") from None
     return 0
 
 

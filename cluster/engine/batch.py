@@ -1,7 +1,7 @@
 """What one engine step carries: the scheduled spans in, logits out, token events back.
 
     Batch [span(seq A, positions 40..41), span(seq B, 0..300), ...]
-      -> packed model inputs: tokens, positions, Spans (block tables as tensors), rows to take logits of
+      -> packed model inputs: tokens, positions, the PagedLayout of their blocks, rows to take logits of
       -> StepOutput: logits of the spans that end at their sequence's last token
       -> TokenEvent per sampled token
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.model import Span
+from cluster.engine.paged_attention import PagedLayout, Span, build_layout
 from cluster.engine.sequence import RequestStats, Sequence
 
 
@@ -44,21 +44,21 @@ class ScheduledSpan:
 class Batch:
     spans: list[ScheduledSpan]
 
-    def model_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[Span], torch.Tensor]:
-        """(packed tokens, their positions, one Span per request, rows whose logits are wanted)."""
+    def model_inputs(self, device: torch.device,
+                     block_size: int) -> tuple[torch.Tensor, torch.Tensor, PagedLayout, torch.Tensor]:
+        """(packed tokens, their positions, their paged layout, rows whose logits are wanted)."""
         tokens: list[int] = []
         positions: list[int] = []
         spans: list[Span] = []
         logit_rows: list[int] = []
         for item in self.spans:
-            spans.append(Span(len(tokens), item.start, item.end, item.store_from,
-                              torch.tensor(item.block_ids, dtype=torch.int64, device=device)))
+            spans.append(Span(len(tokens), item.start, item.end, item.store_from, item.block_ids))
             tokens.extend(item.tokens)
             positions.extend(range(item.start, item.end))
             if item.sample:
                 logit_rows.append(len(tokens) - 1)
         return (torch.tensor(tokens, dtype=torch.int64, device=device),
-                torch.tensor(positions, dtype=torch.int64, device=device), spans,
+                torch.tensor(positions, dtype=torch.int64, device=device), build_layout(spans, block_size, device),
                 torch.tensor(logit_rows, dtype=torch.int64, device=device))
 
 

@@ -1,11 +1,11 @@
 """Model weights: load an HF-style checkpoint directory, write one, or seed a preset.
 
-    <dir>/config.json          HF config of the Llama / Qwen2 family
+    <dir>/config.json          HF config of the llama / qwen2 / mistral family
     <dir>/*.safetensors        tensors named model.layers.{i}.self_attn.q_proj.weight, ..., lm_head.weight
 
 Loading checks every tensor against the shapes the config implies before any
-weight is used, and names each missing, unexpected or misshapen tensor in one
-CheckpointError. A preset's random weights come from a CPU generator seeded
+weight is used, and names each missing, unexpected, misshapen or integer
+(quantized) tensor in one CheckpointError. A preset's random weights come from a CPU generator seeded
 by `seed`, so every worker builds bit-identical weights. Knows nothing of
 pools, requests or tokenizers.
 """
@@ -87,6 +87,8 @@ def _check_tensors(directory: Path, expected: dict[str, tuple[int, ...]],
     problems += [f"unexpected {name} {list(t.shape)}" for name, t in tensors.items() if name not in expected]
     problems += [f"{name}: config.json implies {list(shape)}, file has {list(tensors[name].shape)}"
                  for name, shape in expected.items() if name in tensors and tuple(tensors[name].shape) != shape]
+    problems += [f"{name}: {t.dtype} tensors (quantized weights) are not supported"
+                 for name, t in tensors.items() if not t.is_floating_point()]
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError(f"{directory}: tensors do not match config.json: {shown}")

@@ -1,39 +1,26 @@
 """A Llama-style decoder in plain torch whose attention reads and writes a paged KV arena.
 
-    tokens of all spans, packed [T] ─▶ embed ─▶ N x (RMSNorm ▸ GQA attention ▸ RMSNorm ▸ SwiGLU) ─▶ RMSNorm ▸ lm_head
-                                                      │ per span: write K,V of its new positions into its blocks,
-                                                      ▼ then attend over positions [0, end) read back from the blocks
+    tokens of all requests, packed [T] ─▶ embed ─▶ N x (RMSNorm ▸ GQA attention ▸ RMSNorm ▸ SwiGLU) ─▶ RMSNorm ▸ lm_head
+                                                      │ write K,V of the step's new positions into their blocks,
+                                                      ▼ then one attention call for all requests (paged_attention)
 
-A span is one request's slice of a step: positions [start, end) of its
-sequence, its block table, and from which position its K,V must be stored
-(positions below `store_from` are already in the arena). Linear layers run
-on all spans' tokens at once; attention runs span by span. K is stored after
-rotary embedding. Parameter names follow HF's Llama / Qwen2 layout without
-the leading `model.`. Knows nothing of pools, keys, sampling or scheduling.
+Linear layers and attention both run on all requests at once; what each
+request reads and writes is in the step's PagedLayout. K is stored after
+rotary embedding. Covers the llama, qwen2 and mistral families (q/k/v and
+o_proj biases, tied embeddings, RoPE scalings, sliding windows) as
+ModelConfig describes them. Parameter names follow HF's layout without the
+leading `model.`. Knows nothing of pools, keys, sampling or scheduling.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cluster.engine.model_config import ModelConfig
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    offset: int              # first row of this span in the packed tokens
-    start: int               # sequence position of that row
-    end: int                 # one past the last position computed
-    store_from: int          # positions >= store_from get their K,V written
-    block_ids: torch.Tensor  # int64 on the arena's device, covering positions [0, end)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
+from cluster.engine.paged_attention import PagedLayout, attend, store
+from cluster.engine.rotary import Rotary, rotate
 
 
 class RMSNorm(nn.Module):
@@ -48,80 +35,28 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class Rotary(nn.Module):
-    """Rotary embeddings in HF's rotate-half layout.
-
-    The tables are plain fp32 attributes, not buffers, so casting the model to
-    bf16 (or building it on the meta device) leaves them exact; they follow
-    the input to its device on first use.
-    """
-
-    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
-        super().__init__()
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float64, device="cpu"), 1.0 / theta**exponents)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.cos, self.sin = angles.cos().float(), angles.sin().float()
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.cos.device != positions.device:
-            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x32 = x.float()
-        half = x32.shape[-1] // 2
-        rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
-        return (x32 * cos + rotated * sin).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
+        self.window = config.window(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                spans: list[Span], kv: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: PagedLayout,
+                masks: dict[int | None, torch.Tensor | None], kv: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        q = rotary(self.q_proj(x).view(rows, self.num_heads, self.head_dim), positions)
-        k = rotary(self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim), positions)
+        q = rotate(self.q_proj(x).view(rows, self.num_heads, self.head_dim), *rope)
+        k = rotate(self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim), *rope)
         v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        out = torch.empty_like(q)
-        for span in spans:
-            self._store(span, k, v, kv)
-            rows_of = slice(span.offset, span.offset + span.num_tokens)
-            out[rows_of] = self._attend(span, q[rows_of], kv)
-        return self.o_proj(out.view(rows, -1))
-
-    def _store(self, span: Span, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor) -> None:
-        first = max(span.start, span.store_from)
-        if first >= span.end:
-            return
-        block_size = kv.shape[3]
-        positions = torch.arange(first, span.end, device=kv.device)
-        blocks, slots = span.block_ids[positions // block_size], positions % block_size
-        rows = slice(span.offset + first - span.start, span.offset + span.num_tokens)
-        kv[blocks, self.layer, 0, slots] = k[rows]
-        kv[blocks, self.layer, 1, slots] = v[rows]
-
-    def _attend(self, span: Span, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """q [n, heads, dim] at positions [start, end) against K,V of positions [0, end)."""
-        layer_kv = kv[span.block_ids, self.layer]                  # [blocks, 2, block_size, kv_heads, dim]
-        keys = layer_kv[:, 0].flatten(0, 1)[: span.end].transpose(0, 1)
-        values = layer_kv[:, 1].flatten(0, 1)[: span.end].transpose(0, 1)
-        query = q.transpose(0, 1)
-        if span.start == 0:
-            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
-        else:
-            query_pos = torch.arange(span.start, span.end, device=kv.device).unsqueeze(1)
-            mask = torch.arange(span.end, device=kv.device).unsqueeze(0) <= query_pos
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1)
+        layer_kv = kv[:, self.layer]
+        store(layer_kv, layout, k, v)
+        out = attend(q, layer_kv, layout, masks[self.window])
+        return self.o_proj(out.reshape(rows, -1))
 
 
 class MLP(nn.Module):
@@ -143,9 +78,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                spans: list[Span], kv: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, spans, kv)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: PagedLayout,
+                masks: dict[int | None, torch.Tensor | None], kv: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, layout, masks, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -159,7 +94,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(config.head_dim, config.max_position, config.rope_theta)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
 
     @property
     def device(self) -> torch.device:
@@ -170,10 +105,12 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.dtype
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, spans: list[Span],
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: PagedLayout,
                 kv: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
         """Run packed `tokens` through every layer; return fp32 logits of `logit_rows` only."""
         x = self.embed_tokens(tokens)
+        rope = self.rotary.cos_sin(positions, x.dtype)
+        masks = {window: layout.mask(window) for window in {self.config.window(i) for i in range(len(self.layers))}}
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, spans, kv)
+            x = layer(x, rope, layout, masks, kv)
         return self.lm_head(self.norm(x[logit_rows])).float()

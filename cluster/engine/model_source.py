@@ -2,6 +2,8 @@
 
 Router and workers call the same functions, so they agree on the model's
 name (which enters the block-key namespace), its context and vocabulary.
+A checkpoint that cannot be served raises one of MODEL_ERRORS, whose message
+names the file and field; the CLIs print it as one line at startup.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from pathlib import Path
 
 import torch
 
-from cluster.engine.checkpoint import load_checkpoint, random_model, read_config
+from cluster.engine.checkpoint import CheckpointError, load_checkpoint, random_model, read_config
 from cluster.engine.model import Transformer
-from cluster.engine.model_config import ModelConfig, namespace_for, preset, torch_dtype, with_name
-from router.contract.tokenizer import Tokenizer, load_tokenizer
+from cluster.engine.model_config import ConfigError, ModelConfig, namespace_for, preset, torch_dtype, with_name
+from router.contract.chat_template import ChatTemplateError
+from router.contract.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from store.keys import Namespace
+
+MODEL_ERRORS = (ConfigError, CheckpointError, TokenizerError, ChatTemplateError)
 
 
 def model_config(model: str, model_path: str) -> ModelConfig:

@@ -165,8 +165,8 @@ class Engine:
         """Tensor work only: no pool calls, no request state changes."""
         if not batch.spans:
             return StepOutput(torch.empty(0, self.model.config.vocab_size))
-        tokens, positions, spans, logit_rows = batch.model_inputs(self.model.device)
-        return StepOutput(self.model(tokens, positions, spans, self.arena.tensor, logit_rows).cpu())
+        tokens, positions, layout, logit_rows = batch.model_inputs(self.model.device, self.block_size)
+        return StepOutput(self.model(tokens, positions, layout, self.arena.tensor, logit_rows).cpu())
 
     def finish(self, batch: Batch, output: StepOutput) -> list[TokenEvent]:
         events: list[TokenEvent] = []
