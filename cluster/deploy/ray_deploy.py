@@ -22,7 +22,7 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.deploy.processes import Child, python_argv, spawn
+from cluster.deploy.processes import STOP_TIMEOUT_S, Child, python_argv, spawn
 
 NAMESPACE = "prefixpool"
 class ProcessActor:
@@ -42,6 +42,7 @@ class ProcessActor:
         return self.child.alive()
 
     def stop(self) -> None:
+        """SIGTERM the component: it drains (finishes what it admitted) and exits, as on Kubernetes."""
         self.child.stop()
 
 
@@ -94,7 +95,7 @@ def down() -> list[str]:
             continue
         actor = ray.get_actor(entry["name"], namespace=NAMESPACE)
         try:
-            ray.get(actor.stop.remote(), timeout=30)
+            ray.get(actor.stop.remote(), timeout=STOP_TIMEOUT_S + 10)  # the component drains first
         except ray.exceptions.RayError:
             pass  # already dead: killing it below is all that is left to do
         ray.kill(actor, no_restart=True)
