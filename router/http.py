@@ -1,14 +1,18 @@
 """The router's HTTP surface (aiohttp): OpenAI endpoints, /v1/route, /v1/admin/pin, health and metrics.
 
 Handlers translate between HTTP and the Router service; every APIError (and
-aiohttp's own 4xx) leaves as OpenAI-style error JSON. Knows nothing of etcd,
-policies or how workers are reached.
+aiohttp's own 4xx) leaves as OpenAI-style error JSON. Draining
+(router/contract/drain.py): /readyz answers 503 and a new completion a 503
+`router_draining`; admitted requests finish, and a stream still running at the
+drain deadline ends with an error event. Knows nothing of etcd, policies or how
+workers are reached.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from typing import AsyncIterator
 
 import msgspec
 from aiohttp import web
@@ -16,13 +20,16 @@ from aiohttp import web
 from router import openai_format as fmt
 from router.admin_pin import decode_pin, forward_pin
 from router.detokenizer import Detokenizer
-from router.errors import APIError, InternalError, InvalidRequest, RouteNotFound
+from router.errors import APIError, InternalError, InvalidRequest, RouteNotFound, ServiceUnavailable
+from router.contract.drain import Drain, DrainDeadline, Draining
 from router.openai_schema import ChatBody, CompletionBody, RouteBody, decode
 from router.service import Prepared, Router
-from router.contract.worker_api import Done, Failed, Token
+from router.contract.worker_api import Done, Event, Failed, Token
 
 log = logging.getLogger(__name__)
 ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router", Router)
+DRAIN_KEY: web.AppKey[Drain] = web.AppKey("drain", Drain)
+ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
@@ -57,6 +64,22 @@ async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
     except Exception:  # a bug: still answer in the API's error shape, and log it
         log.exception("unhandled error on %s %s", request.method, request.path)
         return json_response(InternalError("internal error; see the router log").body(), status=500)
+
+
+@web.middleware
+async def drain_gate(request: web.Request, handler) -> web.StreamResponse:
+    """Completions are admitted while serving; once draining they get a 503 a balancer retries elsewhere."""
+    if request.path not in ADMITTED_PATHS:
+        return await handler(request)
+    drain = request.app[DRAIN_KEY]
+    try:
+        async with drain.admitted():
+            response = await handler(request)
+    except (Draining, DrainDeadline) as err:
+        response = error_response(ServiceUnavailable(f"router shutting down: {err}", code="router_draining"))
+    if not drain.serving:
+        response.force_close()  # the client's next request opens a connection to a router that serves
+    return response
 
 
 def _router(request: web.Request) -> Router:
@@ -97,7 +120,9 @@ async def _serve(request: web.Request, router: Router, prepared: Prepared) -> we
     if prepared.stream:
         return await _serve_stream(request, router, prepared)
     detok = Detokenizer(router.tokenizer.decode)
-    async with contextlib.aclosing(router.generate(prepared)) as events:  # a client gone frees its worker slot now
+    drain = request.app[DRAIN_KEY]
+    # aclosing: a client gone frees its worker slot now; past the drain deadline drain_gate answers 503
+    async with contextlib.aclosing(router.generate(prepared)) as events, drain.until_deadline():
         async for event in events:
             if isinstance(event, Token):
                 detok.tokens.append(event.token)
@@ -111,32 +136,43 @@ async def _serve(request: web.Request, router: Router, prepared: Prepared) -> we
 
 
 async def _serve_stream(request: web.Request, router: Router, prepared: Prepared) -> web.StreamResponse:
+    drain = request.app[DRAIN_KEY]
     async with contextlib.aclosing(router.generate(prepared)) as events:
-        first = await anext(events)  # routing errors still become a normal error response here
+        async with drain.until_deadline():
+            first = await anext(events)  # routing errors (and the drain deadline) still become an error response here
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         detok = Detokenizer(router.tokenizer.decode)
         frames = fmt.StreamFrames(prepared.request_id, prepared.model, prepared.chat)
         if prepared.chat:
             await response.write(frames.first())
-        event = first
-        while True:
-            if isinstance(event, Token):
-                text = detok.push(event.token)
-                if text:
-                    await response.write(frames.text(text))
-            elif isinstance(event, Done):
-                await response.write(frames.last(detok.flush(), event.finish_reason))
-                if prepared.include_usage:
-                    await response.write(frames.usage(event.usage))
-                break
-            elif isinstance(event, Failed):
-                await response.write(frames.frame(fmt.error_chunk(event.message, event.status)))
-                break
-            event = await anext(events, Failed("the worker ended the stream without finishing", 502))
+        try:
+            async with drain.until_deadline():
+                await _relay(prepared, first, events, detok, frames, response)
+        except DrainDeadline as err:
+            await response.write(frames.frame(fmt.error_chunk(f"router shutting down: {err}", 503)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+async def _relay(prepared: Prepared, event: Event, events: AsyncIterator[Event], detok: Detokenizer,
+                 frames: fmt.StreamFrames, response: web.StreamResponse) -> None:
+    """Stream events as SSE frames from `event` on, until Done or Failed."""
+    while True:
+        if isinstance(event, Token):
+            text = detok.push(event.token)
+            if text:
+                await response.write(frames.text(text))
+        elif isinstance(event, Done):
+            await response.write(frames.last(detok.flush(), event.finish_reason))
+            if prepared.include_usage:
+                await response.write(frames.usage(event.usage))
+            return
+        elif isinstance(event, Failed):
+            await response.write(frames.frame(fmt.error_chunk(event.message, event.status)))
+            return
+        event = await anext(events, Failed("the worker ended the stream without finishing", 502))
 
 
 async def models(request: web.Request) -> web.Response:
@@ -153,6 +189,8 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
     workers = len(router.live_workers())
+    if not request.app[DRAIN_KEY].serving:  # first thing a drain changes: a Service stops sending here
+        return json_response({"ready": False, "draining": True, "workers": workers}, status=503)
     return json_response({"ready": workers > 0, "workers": workers}, status=200 if workers else 503)
 
 
@@ -162,9 +200,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=router.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
-def build_app(router: Router) -> web.Application:
-    app = web.Application(middlewares=[count_requests, errors_as_json], client_max_size=MAX_BODY_BYTES)
+def build_app(router: Router, drain: Drain | None = None) -> web.Application:
+    app = web.Application(middlewares=[count_requests, errors_as_json, drain_gate], client_max_size=MAX_BODY_BYTES)
     app[ROUTER_KEY] = router
+    app[DRAIN_KEY] = drain or Drain()
     app.add_routes([
         web.post("/v1/completions", completions),
         web.post("/v1/chat/completions", chat_completions),

@@ -4,7 +4,8 @@
                    context / salt, hash the block keys: the only hash of the request
     explain(req)   keys -> index.longest_prefix -> policy.choose, with every term
     generate(req)  choose -> POST worker /generate -> events; a worker that fails
-                   before streaming anything is excluded and the request retried
+                   before streaming anything (unreachable, a 503 while it drains, a 5xx
+                   Failed event before the first token) is excluded and the request retried
                    (with the same keys: a retry re-decides, it does not re-hash)
 
 Knows nothing of HTTP servers or etcd: the cluster view (the etcd mirror, or a
@@ -221,9 +222,16 @@ class Router:
     async def generate(self, prepared: Prepared) -> AsyncIterator[Token | Done | Failed]:
         """Events of the answer; before the first token, failures are retried on other workers."""
         excluded: set[str] = set()
+        refused: Failed | None = None  # a worker's 5xx before the first token: shown only if no other worker answers
         start = time.perf_counter()
         for _ in range(self.config.max_retries + 1):
-            plan, _ = self.decide(prepared, frozenset(excluded))
+            try:
+                plan, _ = self.decide(prepared, frozenset(excluded))
+            except ServiceUnavailable:
+                if refused is None:
+                    raise
+                yield refused
+                return
             worker = self.live_workers()[plan.worker]
             ticket = self.inflight.begin(plan.worker, plan.prefill_tokens)
             streamed = False
@@ -232,6 +240,9 @@ class Router:
                 stream = client.generate(worker.http_url, self._worker_request(prepared, plan))
                 async with contextlib.aclosing(stream):  # a client gone closes the worker's stream now
                     async for event in stream:
+                        if isinstance(event, Failed) and not streamed and event.status >= 500:
+                            refused = event
+                            raise WorkerUnreachable(f"failed before the first token: {event.message}")
                         if isinstance(event, Token) and not streamed:
                             streamed = True
                             self.inflight.started(ticket)
@@ -250,6 +261,9 @@ class Router:
                 self.metrics.retries.inc()
             finally:
                 self.inflight.end(ticket)
+        if refused is not None:
+            yield refused
+            return
         raise ServiceUnavailable(f"no worker answered after {len(excluded)} attempts", code="workers_failed")
 
     def _worker_request(self, prepared: Prepared, plan: Plan) -> GenerateRequest:

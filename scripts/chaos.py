@@ -14,6 +14,13 @@ Phases (each under load from scripts/chaos_client.steady_load):
 After each: answered == cold output, failures clean (503/4xx + JSON), recovery
 within a bound, every pool passes check_integrity with no block pinned at rest.
 tests/test_chaos.py runs the quick versions of the same functions.
+
+    python scripts/chaos.py --rolling-restart --requests 600
+
+Rolling restarts instead (scripts/chaos_rolling.py): 3 workers and 2 routers behind
+a BalancedClient, streaming load; every worker, then every router, is drained by
+SIGTERM in turn (each while it has work in flight) and started again. Goal: every
+request answered in full, none wrong; reports the longest drain.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cluster.deploy.launcher import LocalCluster  # noqa: E402
-from scripts.chaos_client import ApiClient, Oracle, Tally, steady_load, workload  # noqa: E402
+from scripts.chaos_client import ApiClient, BalancedClient, Oracle, Tally, steady_load, workload  # noqa: E402
+from scripts.chaos_rolling import DrainRecord, rolling_restart_routers, rolling_restart_workers  # noqa: E402
 from scripts.chaos_faults import (  # noqa: E402
     cluster_for, pids_alive, pinned_flood, pool_reports, quiet_pools, restart_corrupting, restart_etcd,
     sigkill_worker, sigstop_worker, spawn_worker, under_load, wait_ready, warm_directly,
@@ -103,18 +111,71 @@ def print_row(result: PhaseResult) -> None:
           flush=True)
 
 
+# -- rolling restarts ------------------------------------------------------------------------------
+
+ROLLING_HEADER = ("| restarted in turn, under load | requests | served in full | clean failures | unclean | wrong outputs "
+                  "| drains (busy at SIGTERM) | exit codes | longest drain s | longest SIGTERM to exit s |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|")
+
+
+async def run_rolling(cluster: LocalCluster, requests: int, max_tokens: int = 32) -> list[PhaseResult]:
+    prompts = workload(12)
+    client = BalancedClient([c.url for c in cluster.routers.values()])
+    results = []
+    try:
+        await wait_ready(client, len(cluster.workers))
+        oracle = await Oracle.build(client, prompts, max_tokens=max_tokens)
+        for name, restart in (("every worker", rolling_restart_workers), ("both routers", rolling_restart_routers)):
+            stop = asyncio.Event()
+            load = asyncio.create_task(steady_load(client, prompts, stop, 3, requests, stream_every=1,
+                                                   max_tokens=max_tokens, pause_s=0.05))
+            await asyncio.sleep(0.5)
+            try:
+                drains = await restart(cluster, client)
+                await asyncio.sleep(1.0)
+            finally:
+                stop.set()
+            tally = Tally.of(await load, oracle)
+            await quiet_pools(cluster)
+            longest_drain = max(d.drain_s if d.drain_s is not None else float("nan") for d in drains)
+            note = f"{_drains_note(drains)} | {longest_drain:.2f}"
+            results.append(PhaseResult(name, tally, max(d.seconds for d in drains), True, note))
+            print_rolling_row(results[-1])
+    finally:
+        await client.close()
+    return results
+
+
+def _drains_note(drains: list[DrainRecord]) -> str:
+    busy = ", ".join(f"{d.name} ({d.busy_at_sigterm})" for d in drains)
+    return f"{busy} | {', '.join(str(d.exit_code) for d in drains)}"
+
+
+def print_rolling_row(result: PhaseResult) -> None:
+    t = result.tally
+    print(f"| {result.name} | {t.requests} | {t.served} | {t.clean_failures} | {len(t.dirty)} | {len(t.wrong)} | "
+          f"{result.note} | {result.recovery_s:.2f} |", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="chaos rounds against a local cluster (3 workers)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--requests", type=int, default=120, help="at most this many requests per phase")
+    parser.add_argument("--rolling-restart", action="store_true",
+                        help="instead: drain-restart every worker, then both of two routers, under streaming load")
     args = parser.parse_args()
     cluster = cluster_for(3).start()
     pids = [cluster.etcd.pid, cluster.router.pid]
-    print(HEADER, flush=True)
     try:
-        results = asyncio.run(run_rounds(cluster, args.rounds, args.requests))
+        if args.rolling_restart:
+            cluster.start_router("router-b")
+            print(ROLLING_HEADER, flush=True)
+            results = asyncio.run(run_rolling(cluster, args.requests))
+        else:
+            print(HEADER, flush=True)
+            results = asyncio.run(run_rounds(cluster, args.rounds, args.requests))
     finally:
-        pids += [c.pid for c in cluster.workers.values()]
+        pids += [c.pid for c in [*cluster.workers.values(), *cluster.routers.values()]]
         cluster.stop()
     total = sum((r.tally for r in results), Tally())
     left = pids_alive(pids)
@@ -122,7 +183,8 @@ def main() -> int:
           f"{len(total.wrong)} | | | leftover processes: {len(left)} |")
     for bad in (total.wrong + total.dirty)[:5]:
         print("BAD:", bad)
-    return 0 if not total.wrong and not total.dirty and not left else 1
+    lost = args.rolling_restart and total.served != total.requests  # a graceful restart loses nothing
+    return 0 if not total.wrong and not total.dirty and not left and not lost else 1
 
 
 if __name__ == "__main__":

@@ -53,6 +53,14 @@ class Outcome:
         return self.status == 200 and self.text is not None
 
     @property
+    def not_taken(self) -> bool:
+        """The router never took the request: refused or reset the connection before answering anything,
+        or answered 503 router_draining."""
+        error = self.error if isinstance(self.error, dict) else {}
+        code = error.get("error", {}).get("code") if isinstance(error.get("error"), dict) else None
+        return (self.status == 0 and "connect" in error) or (self.status == 503 and code == "router_draining")
+
+    @property
     def clean_failure(self) -> bool:
         """503 or 4xx, with an OpenAI-style error object carrying a message."""
         message = (self.error or {}).get("error", {}).get("message") if isinstance(self.error, dict) else None
@@ -60,10 +68,12 @@ class Outcome:
 
 
 class ApiClient:
-    def __init__(self, base_url: str, api_key: str = "", timeout_s: float = 120.0) -> None:
+    def __init__(self, base_url: str, api_key: str = "", timeout_s: float = 120.0, keep_alive: bool = True) -> None:
         self.base_url = base_url
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s))
+        connector = aiohttp.TCPConnector(force_close=not keep_alive)
+        self.session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                             connector=connector)
 
     async def close(self) -> None:
         await self.session.close()
@@ -77,12 +87,18 @@ class ApiClient:
             return response.status, await response.json(content_type=None)
 
     async def complete(self, prompt: str, salt: str = "", max_tokens: int = 8, stream: bool = False) -> Outcome:
+        return await self.complete_at(self.base_url, prompt, salt, max_tokens, stream)
+
+    async def complete_at(self, base_url: str, prompt: str, salt: str = "", max_tokens: int = 8,
+                          stream: bool = False) -> Outcome:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "cache_salt": salt}
         if stream:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
         started = time.perf_counter()
+        answering = False
         try:
-            async with self.session.post(self.base_url + "/v1/completions", json=body) as response:
+            async with self.session.post(base_url + "/v1/completions", json=body) as response:
+                answering = True
                 if response.status != 200 or not stream:
                     payload = await response.json(content_type=None)
                     if response.status != 200:
@@ -90,8 +106,40 @@ class ApiClient:
                     return Outcome(prompt, 200, payload["choices"][0]["text"], usage=payload["usage"],
                                    ttft_s=time.perf_counter() - started, salt=salt)
                 return await _read_stream(prompt, salt, response, started)
+        except aiohttp.ClientConnectorError as err:  # nothing was sent
+            return Outcome(prompt, 0, error={"connect": repr(err)}, salt=salt)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as err:
+            # reset before any response byte: the request sat in a closing listener's backlog, never taken
+            return Outcome(prompt, 0, error={"connect" if not answering else "transport": repr(err)}, salt=salt)
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as err:
             return Outcome(prompt, 0, error={"transport": repr(err)}, salt=salt)
+
+
+class BalancedClient(ApiClient):
+    """One client over several routers, as a load balancer in front of them: round robin, a fresh
+    connection per request, and a request a router did not take (connection refused or reset before
+    any response byte, or a 503 `router_draining`) goes to the next router, as a balancer retrying on
+    connect-failure and reset-before-response would. A request a router answered is never sent twice."""
+
+    def __init__(self, base_urls: list[str], api_key: str = "", timeout_s: float = 120.0,
+                 max_tries: int = 8, retry_pause_s: float = 0.05) -> None:
+        super().__init__(base_urls[0], api_key, timeout_s, keep_alive=False)
+        self.base_urls = list(base_urls)
+        self.max_tries = max_tries
+        self.retry_pause_s = retry_pause_s
+        self.num_redirected = 0
+        self._turn = 0
+
+    async def complete(self, prompt: str, salt: str = "", max_tokens: int = 8, stream: bool = False) -> Outcome:
+        self._turn += 1
+        for attempt in range(self.max_tries):
+            url = self.base_urls[(self._turn + attempt) % len(self.base_urls)]
+            outcome = await self.complete_at(url, prompt, salt, max_tokens, stream)
+            if not outcome.not_taken:
+                return outcome
+            self.num_redirected += 1
+            await asyncio.sleep(self.retry_pause_s)
+        return outcome
 
 
 async def _read_stream(prompt: str, salt: str, response: aiohttp.ClientResponse, started: float) -> Outcome:

@@ -61,6 +61,21 @@ def test_base_has_what_the_issue_names():
     assert ("Service", "router") in docs
 
 
+def test_drains_fit_in_the_grace_period():
+    """preStop plus the drain deadline end before Kubernetes would SIGKILL the pod."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render("base")}
+    worker_config = docs[("ConfigMap", "prefixpool-worker")]["data"]
+    for kind, name in (("StatefulSet", "worker"), ("Deployment", "router")):
+        pod = docs[(kind, name)]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        env = {**(worker_config if name == "worker" else {}),
+               **{e["name"]: e.get("value") for e in container.get("env", [])}}
+        deadline = float(env["PREFIXPOOL_DRAIN_DEADLINE_S"])
+        command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        pre_stop = float(command[1]) if command[:1] == ["sleep"] else 0.0
+        assert pre_stop + deadline + 5 <= pod["terminationGracePeriodSeconds"], (name, pre_stop, deadline)
+
+
 def containers(docs):
     for doc in docs:
         spec = doc.get("spec", {})

@@ -48,6 +48,7 @@ class BlockSource:
         self.blocks = blocks
         self.arena = arena
         self._host_bytes = host_blocks(arena)
+        self.num_sending = 0  # fetches being served now (a draining worker waits for them)
 
     @property
     def block_bytes(self) -> int:
@@ -64,11 +65,15 @@ class BlockSource:
 
     @asynccontextmanager
     async def pinned(self, keys: Sequence[BlockKey]) -> AsyncIterator[Outgoing]:
-        outgoing = await self.pin(keys)
+        self.num_sending += 1
         try:
-            yield outgoing
+            outgoing = await self.pin(keys)
+            try:
+                yield outgoing
+            finally:
+                self.release(outgoing)
         finally:
-            self.release(outgoing)
+            self.num_sending -= 1
 
     def payload(self, block_id: int) -> memoryview:
         """The block's bytes: zero-copy on CPU, one device-to-host copy on CUDA."""

@@ -2,7 +2,7 @@
 
     cluster = LocalCluster(num_workers=2).start()   # prints nothing; .router_url
     ...
-    cluster.stop()                                  # by PID, workers first; no process left
+    cluster.stop()                                  # by PID, each drains on SIGTERM; no process left
 
     prefixpool up --vllm 2 --model-path DIR         # vLLM servers (+ their vllm-node sidecars)
                                                     # instead of our workers, the same router
@@ -35,7 +35,7 @@ class LocalCluster:
     log_dir: Path | None = None
     etcd: EtcdServer | None = None
     workers: dict[str, Child] = field(default_factory=dict)
-    router: Child | None = None
+    routers: dict[str, Child] = field(default_factory=dict)
     vllm: VllmConfig | None = None  # with num_vllm > 0: vLLM servers and their sidecars
     num_vllm: int = 0
     sidecar_args: tuple[str, ...] = ()
@@ -51,8 +51,7 @@ class LocalCluster:
             for i in range(self.num_workers):
                 self.start_worker(f"worker-{i}")
             self.start_vllm([f"vllm-{i}" for i in range(self.num_vllm)])
-            self.router = spawn("router", python_argv("router", "--port", "0", *self._common(), *self._model(),
-                                                      *self.router_args), self.log_dir, self.env)
+            self.start_router("router")
         except BaseException:
             self.stop()
             raise
@@ -94,16 +93,35 @@ class LocalCluster:
         self.workers[node_id] = child
         return child
 
+    def start_router(self, name: str, port: int = 0) -> Child:
+        """A router (more than one may serve the same cluster); `port` 0 picks a free one."""
+        child = spawn(name, python_argv("router", "--port", str(port), *self._common(), *self._model(),
+                                        *self.router_args), self.log_dir, self.env)
+        self.routers[name] = child
+        return child
+
+    @property
+    def router(self) -> Child | None:
+        return self.routers.get("router")
+
     @property
     def router_url(self) -> str:
         assert self.router is not None, "cluster not started"
         return self.router.url
 
     def stop(self) -> None:
-        """Stop everything this cluster started, by PID: router, workers, then etcd."""
-        for child in [self.router, *self.workers.values(), *self.sidecars.values()]:
-            if child is not None:
-                child.stop()
+        """Stop everything this cluster started, by PID, each draining on SIGTERM: the routers first
+        (their streams finish while the nodes still serve), then every worker and sidecar at once, then
+        the vLLM servers, then etcd."""
+        for child in self.routers.values():
+            child.terminate()
+        for child in self.routers.values():
+            child.stop()
+        nodes = [*self.workers.values(), *self.sidecars.values()]
+        for child in nodes:
+            child.terminate()
+        for child in nodes:
+            child.stop()
         for server in self.vllm_servers.values():
             server.stop()
         if self.etcd is not None:
@@ -152,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefixpool is up: {cluster.router_url}  (OpenAI API at {cluster.router_url}/v1)", flush=True)
         nodes = [c.url for c in [*cluster.workers.values(), *cluster.sidecars.values()]]
         print(f"etcd {cluster.etcd.endpoint}; workers: {', '.join(nodes)}", flush=True)
-        print("Ctrl-C stops everything.", flush=True)
+        print("Ctrl-C drains and stops everything.", flush=True)
         try:
             stopping.wait()
         except KeyboardInterrupt:

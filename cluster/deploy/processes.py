@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 READY_PREFIX = "READY "
+STOP_TIMEOUT_S = 30.0  # above the components' default --drain-deadline-s (20 s), like a pod's grace period
 _PR_SET_PDEATHSIG = 1
 
 
@@ -63,10 +64,15 @@ class Child:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout_s`; always reaps the process."""
+    def terminate(self) -> None:
+        """SIGTERM: a component drains (finishes what it admitted) and exits."""
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s` (past any drain deadline); always reaps the process."""
+        if self.alive():
+            self.terminate()
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:

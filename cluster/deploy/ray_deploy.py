@@ -27,7 +27,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.deploy.janitor import OwnedTempDir
-from cluster.deploy.processes import Child, python_argv, spawn
+from cluster.deploy.processes import STOP_TIMEOUT_S, Child, python_argv, spawn
 
 NAMESPACE = "prefixpool"
 class ProcessActor:
@@ -54,6 +54,7 @@ class ProcessActor:
         return self.child.alive()
 
     def stop(self) -> None:
+        """SIGTERM the component: it drains (finishes what it admitted) and exits, as on Kubernetes."""
         self.child.stop()
         self.log_dir.close()
         for path in self.remove_on_stop:
@@ -146,7 +147,7 @@ def down() -> list[str]:
             continue
         actor = ray.get_actor(entry["name"], namespace=NAMESPACE)
         try:
-            ray.get(actor.stop.remote(), timeout=30)
+            ray.get(actor.stop.remote(), timeout=STOP_TIMEOUT_S + 10)  # the component drains first
         except ray.exceptions.RayError:
             pass  # already dead: killing it below is all that is left to do
         ray.kill(actor, no_restart=True)

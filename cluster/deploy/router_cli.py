@@ -8,6 +8,11 @@ each bind it with SO_REUSEPORT (the kernel spreads connections over them), each
 with its own mirror, load entry (`<router-id>-<i>`) and metrics, aggregated by
 prometheus_client's multiprocess mode; it stops them on SIGTERM.
 
+SIGTERM / SIGINT drains: /readyz turns 503 at once, new completions get a 503
+`router_draining`, in-flight requests and streams finish (up to
+--drain-deadline-s, then they end with an error event), then the server, the
+worker connections and the etcd watch are closed and the process exits.
+
 The cost model's prefill speed follows what workers report in their etcd
 records (the mean over workers that have measured one), so routing adapts to
 the hardware it runs on.
@@ -38,12 +43,14 @@ from cluster.deploy.router_processes import run_processes
 from cluster.deploy.router_settings import RouterSettings
 from cluster.deploy.settings import add_flags, from_args
 from router.cost_model import CostModel
+from router.contract.drain import Drain
 from router.http import build_app
 from router.service import Router, RouterConfig
 from router.vllm_client import VllmClient
 from router.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
+SNAPSHOT_WAIT_S = 10.0  # longest a starting router waits for its first etcd snapshot before it listens
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,8 +123,13 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
     router.inflight.on_change = publisher.changed
     await mirror.start()
     await publisher.start()
+    try:  # listen with a synced view: a restarted router must not answer "no worker" while it has them
+        await mirror.wait_revision(1, timeout_s=SNAPSHOT_WAIT_S)
+    except TimeoutError:
+        log.warning("no etcd snapshot yet; serving, /readyz stays 503 until workers appear")
     sock = listen(settings.host, settings.port)
-    runner = web.AppRunner(build_app(router), access_log=None)
+    gate = Drain()
+    runner = web.AppRunner(build_app(router, gate), access_log=None)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     tasks = [asyncio.create_task(_follow_prefill_speed(router, mirror))]
@@ -130,6 +142,10 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    gate.begin(settings.drain_deadline_s)
+    log.info("router draining (deadline %gs): %d requests in flight", settings.drain_deadline_s, gate.num_admitted)
+    report = await gate.wait()
+    log.info("router drained in %.2fs: %d cut by the deadline", report.seconds, report.num_cut)
     for task in tasks:
         task.cancel()
     await runner.cleanup()

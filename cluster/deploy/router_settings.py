@@ -18,6 +18,8 @@ class RouterSettings(CommonSettings):
     worker_token: str = setting("", "shared token sent to workers' internal API")
     max_retries: int = setting(2, "retries on another worker when one fails before streaming")
     request_timeout_s: float = setting(300.0, "longest a worker may stay silent mid-stream")
+    drain_deadline_s: float = setting(20.0, "on SIGTERM, how long in-flight requests may run on before they are "
+                                      "ended with an error event (below the manifests' terminationGracePeriodSeconds)")
     default_max_tokens: int = setting(64, "max_tokens when a request gives none")
     prefill_tokens_per_s: float = setting(2000.0, "prefill speed assumed until workers report a measured one")
     decode_step_s: float = setting(0.01, "TTFT the cost model adds per request already running on a worker")

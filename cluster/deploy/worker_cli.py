@@ -6,8 +6,10 @@
     SSD tier dir from an earlier run: scanned and re-published once registered
     HTTP API (worker_http)                  READY <http url> once all of it is up
 
-Stopping (SIGTERM or SIGINT): stop taking requests, revoke the lease (the
-node's blocks leave every router's index at once), close the servers.
+Stopping (SIGTERM or SIGINT) drains (cluster/node/drain.py): stop taking
+requests, revoke the lease (the node's blocks leave every router's index at
+once), let admitted streams and peers' transfer reads finish up to
+--drain-deadline-s, then close the servers and exit 0.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from cluster.deploy.processes import announce_ready
 from cluster.meta.publisher import Publisher
 from cluster.deploy.settings import add_flags, from_args
 from cluster.node.worker import Worker, WorkerPeriods
-from cluster.node.http_api import STATE_KEY, build_app
+from cluster.node.drain import drain_worker
+from cluster.node.http_api import build_app
 from cluster.deploy.worker_settings import WorkerSettings
+from router.contract.drain import Drain
 from store.arena import KVArena
 from store.disk_tier import DiskTier
 from store.host_tier import HostTier
@@ -124,7 +128,8 @@ async def serve(settings: WorkerSettings, host: str, advertise: str) -> None:
     found = blocks.scan()  # before registering: registration publishes blocks.entries(), these included
     if found:
         log.info("worker %s: %d valid SSD blocks from an earlier run", node_id, len(found))
-    app = build_app(worker, settings.token, tokenizer_for(settings.model_path), source)
+    gate = Drain()
+    app = build_app(worker, settings.token, tokenizer_for(settings.model_path), source, gate)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.SockSite(runner, http_socket).start()
@@ -135,10 +140,11 @@ async def serve(settings: WorkerSettings, host: str, advertise: str) -> None:
     announce_ready(http_url)
     log.info("worker %s serving %s (transfer %s)", node_id, http_url, record.transfer_url)
     await _wait_for_signal()
-    app[STATE_KEY]["serving"] = False
     load_task.cancel()
-    await membership.stop()  # revokes the lease: our blocks leave the index now
-    await publisher.stop()
+    log.info("worker %s draining (deadline %gs)", node_id, settings.drain_deadline_s)
+    report = await drain_worker(gate, publisher, membership, source, settings.drain_deadline_s)
+    log.info("worker %s drained in %.2fs: %d requests in flight at SIGTERM, %d cut by the deadline",
+             node_id, report.seconds, report.num_admitted, report.num_cut)
     await worker.stop()
     await runner.cleanup()
     await transfer.close()

@@ -18,6 +18,8 @@ class WorkerSettings(CommonSettings):
                                   "host; with host 0.0.0.0 the address routing to etcd; never loopback into a remote etcd)")
     transfer: str = setting("tcp", "block transfer transport: tcp or ucx")
     transfer_port: int = setting(0, "transfer server port (0 picks a free one)")
+    drain_deadline_s: float = setting(20.0, "on SIGTERM, how long admitted requests may run on before they are "
+                                      "ended with an error event (below the manifests' terminationGracePeriodSeconds)")
     lease_ttl_s: int = setting(10, "etcd lease TTL; the node's blocks vanish this long after it dies")
     device: str = setting("auto", "torch device: auto (CUDA when present), cpu, cuda, cuda:N")
     seed: int = setting(0, "seed of a preset's random weights (identical on every worker)")

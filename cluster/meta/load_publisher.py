@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from cluster.meta.background import stop_task
 from cluster.meta.etcd_client import EtcdClient, EtcdError, LeaseNotFound
 from cluster.meta.layout import Layout
 from router.fleet_load import RouterLoad, encode_load
@@ -61,10 +62,8 @@ class LoadPublisher:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         lease_id, self.lease_id = self.lease_id, None
         if lease_id is not None:
             try:

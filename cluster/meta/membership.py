@@ -22,6 +22,7 @@ from typing import Awaitable, Callable
 
 import msgspec
 
+from cluster.meta.background import stop_task
 from cluster.meta.etcd_client import EtcdClient, EtcdError, LeaseNotFound
 from cluster.meta.layout import Layout
 
@@ -87,10 +88,8 @@ class Membership:
 
     async def stop(self) -> None:
         """Revoke the lease: the record and all block keys leave etcd now, not after the TTL."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         async with self.lock:
             lease_id, self.lease_id = self.lease_id, None
             if lease_id is not None:

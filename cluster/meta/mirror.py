@@ -22,6 +22,7 @@ from typing import Sequence
 
 import msgspec
 
+from cluster.meta.background import stop_task
 from cluster.meta.etcd_client import EtcdClient, EtcdError, RevisionCompacted, Snapshot, Watch, WatchBatch
 from cluster.meta.layout import Layout
 from cluster.meta.membership import NodeRecord, decode_record
@@ -56,10 +57,8 @@ class Mirror:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None

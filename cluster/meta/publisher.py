@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from cluster.meta.background import stop_task
 from cluster.meta.etcd_client import EtcdClient, EtcdError, LeaseNotFound
 from cluster.meta.layout import Layout
 from cluster.meta.membership import Membership
@@ -64,10 +65,8 @@ class Publisher:
         self._task = self._loop.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     def publish(self, stored: Iterable[BlockKey] = (), removed: Iterable[BlockKey] = (), tier: str = DEVICE) -> None:
         """Non-blocking, thread-safe. Later ops on the same key replace earlier pending ones."""

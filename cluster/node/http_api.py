@@ -3,6 +3,9 @@ and /debug/pool (pool integrity and pins, for chaos tests and operators), and PO
 /admin/pin (pin a prefix by tokens or text for a TTL, or release it).
 
 With a shared token configured, every request but /healthz must carry it.
+Draining (router/contract/drain.py): a new /generate gets a 503 the router retries
+elsewhere and /healthz answers 503; admitted streams run on, and one still running
+at the drain deadline ends with a Failed event, never a truncated body.
 Knows nothing of engines or etcd: it serves a Worker.
 """
 
@@ -16,6 +19,7 @@ import msgspec
 from aiohttp import web
 
 from cluster.node.worker import PinRefused, Worker
+from router.contract.drain import Drain, DrainDeadline, Draining
 from router.contract.tokenizer import ByteTokenizer, Tokenizer
 from router.contract.worker_api import AUTH_HEADER, Failed, PinReply, PinRequest, decode_request, encode, encode_event
 from transfer.faults import num_corrupted
@@ -24,7 +28,7 @@ from transfer.source import BlockSource
 log = logging.getLogger(__name__)
 WORKER_KEY: web.AppKey[Worker] = web.AppKey("worker", Worker)
 TOKEN_KEY: web.AppKey[str] = web.AppKey("token", str)
-STATE_KEY: web.AppKey[dict] = web.AppKey("state", dict)
+DRAIN_KEY: web.AppKey[Drain] = web.AppKey("drain", Drain)
 SOURCE_KEY: web.AppKey[BlockSource | None] = web.AppKey("source", BlockSource)
 TOKENIZER_KEY: web.AppKey[Tokenizer] = web.AppKey("tokenizer", object)
 _pin_decoder = msgspec.json.Decoder(PinRequest)
@@ -43,8 +47,17 @@ async def require_token(request: web.Request, handler) -> web.StreamResponse:
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    if not request.app[STATE_KEY]["serving"]:
-        return _error(503, "worker is shutting down")
+    drain = request.app[DRAIN_KEY]
+    try:
+        async with drain.admitted():
+            return await _generate(request, drain)
+    except Draining as err:
+        response = _error(503, f"worker is shutting down: {err}")
+        response.force_close()  # the router drops this connection instead of reusing it
+        return response
+
+
+async def _generate(request: web.Request, drain: Drain) -> web.StreamResponse:
     try:
         body = decode_request(await request.read(), request.content_type)
     except msgspec.DecodeError as err:
@@ -55,12 +68,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     try:
         # aclosing: a router that goes away releases the request's blocks now, not at garbage collection
-        async with contextlib.aclosing(request.app[WORKER_KEY].generate(body)) as events:
+        async with drain.until_deadline(), contextlib.aclosing(request.app[WORKER_KEY].generate(body)) as events:
             async for event in events:
                 await response.write(encode_event(event))
     except (ConnectionResetError, ConnectionError):
         log.info("router went away from %s", body.request_id)
         raise
+    except DrainDeadline as err:  # the request's blocks are released; the router sees a clean error
+        log.warning("generate %s cut by the drain: %s", body.request_id, err)
+        await response.write(encode_event(Failed(f"worker shutting down: {err}", 503)))
     except Exception as err:  # the stream has started: end it with an error event, not a broken socket
         log.exception("generate %s failed", body.request_id)
         await response.write(encode_event(Failed(f"worker error: {err}", 500)))
@@ -114,16 +130,16 @@ async def debug_pool(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    serving = request.app[STATE_KEY]["serving"]
+    serving = request.app[DRAIN_KEY].serving
     return web.json_response({"status": "ok" if serving else "stopping"}, status=200 if serving else 503)
 
 
 def build_app(worker: Worker, token: str = "", tokenizer: Tokenizer | None = None,
-              source: BlockSource | None = None) -> web.Application:
+              source: BlockSource | None = None, drain: Drain | None = None) -> web.Application:
     app = web.Application(middlewares=[require_token], client_max_size=64 * 1024 * 1024)
     app[WORKER_KEY] = worker
     app[TOKEN_KEY] = token
-    app[STATE_KEY] = {"serving": True}
+    app[DRAIN_KEY] = drain or Drain()
     app[SOURCE_KEY] = source
     app[TOKENIZER_KEY] = tokenizer or ByteTokenizer()
     app.add_routes([web.post("/generate", generate), web.get("/load", load), web.get("/healthz", healthz),
