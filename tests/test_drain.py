@@ -220,7 +220,8 @@ def test_prefixpool_up_drains_on_sigterm():
     try:
         url = _up_url(up)
         children = _children(up.pid)
-        assert len(children) == 3  # etcd, a worker, the router
+        # etcd, a worker, the router, and the janitors of etcd's temp data dir and of up's log dir
+        assert sorted(_kind(pid) for pid in children) == ["etcd", "janitor", "janitor", "router", "worker"]
 
         async def stream_across_sigterm() -> list[str]:
             body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -249,6 +250,16 @@ def _up_url(up: subprocess.Popen) -> str:
         if line.startswith("prefixpool is up: "):
             return line.split()[3]
     raise AssertionError(f"prefixpool up did not start (exit {up.wait()})")
+
+
+def _kind(pid: int) -> str:
+    """What a child of `prefixpool up` is, from its command line."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    if Path(argv[0]).name == "etcd":
+        return "etcd"
+    if "cluster.deploy.janitor" in argv:
+        return "janitor"
+    return next(word for word in ("worker", "router") if word in argv)
 
 
 def _children(pid: int) -> list[int]:
