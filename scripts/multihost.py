@@ -104,7 +104,10 @@ class Hosts:
     def spawn(self, host: Host, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None,
               timeout_s: float = 120.0) -> Child:
         """Start a component inside `host` and wait for its READY line; stopped by pid on remove()."""
-        child = spawn(name, host.argv(argv), log_dir, env, timeout_s)  # `ip netns exec` execs: the pid is the child's
+        # A host is another machine: it does not inherit this process's choice of UCX device (tests of one
+        # machine set UCX_NET_DEVICES=lo, which would leave a worker in a namespace unable to reach a peer).
+        argv = ["env", "-u", "UCX_NET_DEVICES", *argv]
+        child = spawn(name, host.argv(argv), log_dir, env, timeout_s)  # `ip netns exec` and env exec: the pid is the child's
         self.children.append(child)
         return child
 
