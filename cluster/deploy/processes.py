@@ -9,6 +9,7 @@ file. Knows nothing of what the children are.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import select
 import signal
@@ -43,6 +44,11 @@ def die_with_parent() -> None:
 def fork_from_one_thread(argv: list[str], **popen_kwargs) -> subprocess.Popen:
     """subprocess.Popen from the one long-lived forker thread (see _FORKER), so PR_SET_PDEATHSIG holds."""
     return _FORKER.submit(subprocess.Popen, argv, **popen_kwargs).result()
+
+
+def start_logging() -> None:
+    """A component's log lines, one format for all: to stderr, which the launcher sends to its log file."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 def announce_ready(url: str) -> None:

@@ -38,7 +38,7 @@ from cluster.meta.load_publisher import LoadPublisher, LoadPublisherConfig
 from cluster.meta.mirror import Mirror
 from cluster.engine.model_config import torch_dtype
 from cluster.engine.model_source import MODEL_ERRORS, cache_namespace, model_config, tokenizer_for
-from cluster.deploy.processes import announce_ready
+from cluster.deploy.processes import announce_ready, start_logging
 from cluster.deploy.router_processes import run_processes
 from cluster.deploy.router_settings import RouterSettings
 from cluster.deploy.settings import add_flags, from_args
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    start_logging()
     settings = from_args(RouterSettings, args)
     try:
         host = bind_host(settings.host, settings.etcd_endpoints)

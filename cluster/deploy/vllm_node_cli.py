@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 
-from cluster.deploy.processes import announce_ready
+from cluster.deploy.processes import announce_ready, start_logging
 from cluster.deploy.settings import add_flags, from_args
 from cluster.deploy.vllm_node_settings import VllmNodeSettings
 from cluster.meta.etcd_client import EtcdClient
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    start_logging()
     asyncio.run(serve(from_args(VllmNodeSettings, args)))
     return 0
 

@@ -33,7 +33,7 @@ from cluster.meta.layout import Layout
 from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
 from cluster.engine.model_config import arena_shape_for, resolve_device, torch_dtype
 from cluster.engine.model_source import MODEL_ERRORS, build_model, cache_namespace, tokenizer_for
-from cluster.deploy.processes import announce_ready
+from cluster.deploy.processes import announce_ready, start_logging
 from cluster.meta.publisher import Publisher
 from cluster.deploy.settings import add_flags, from_args
 from cluster.node.worker import Worker, WorkerPeriods
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    start_logging()
     settings = from_args(WorkerSettings, args)
     try:
         host = bind_host(settings.host, settings.etcd_endpoints)
