@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol, Sequence
 
+import msgspec
 import numpy as np
 
 from router.errors import APIError, InvalidRequest, ModelNotFound, ServiceUnavailable, Unauthorized
@@ -223,6 +224,7 @@ class Router:
         """Events of the answer; before the first token, failures are retried on other workers."""
         excluded: set[str] = set()
         refused: Failed | None = None  # a worker's 5xx before the first token: shown only if no other worker answers
+        emitted: list[int] = []  # tokens already sent to the client: a greedy stream cut mid-way resumes after them
         start = time.perf_counter()
         for _ in range(self.config.max_retries + 1):
             try:
@@ -237,24 +239,27 @@ class Router:
             streamed = False
             try:
                 client = self.kind_clients.get(kind_of(worker), self.client)
-                stream = client.generate(worker.http_url, self._worker_request(prepared, plan))
+                stream = client.generate(worker.http_url, self._worker_request(prepared, plan, emitted))
                 async with contextlib.aclosing(stream):  # a client gone closes the worker's stream now
                     async for event in stream:
                         if isinstance(event, Failed) and not streamed and event.status >= 500:
                             refused = event
                             raise WorkerUnreachable(f"failed before the first token: {event.message}")
-                        if isinstance(event, Token) and not streamed:
+                        if isinstance(event, Token):
+                            if not streamed and not emitted:
+                                self.inflight.started(ticket)
+                                self.metrics.ttft.observe(time.perf_counter() - start)
                             streamed = True
-                            self.inflight.started(ticket)
-                            self.metrics.ttft.observe(time.perf_counter() - start)
+                            emitted.append(event.token)
                         if isinstance(event, Done):
+                            event = _resumed_usage(event, len(emitted) - event.usage.completion_tokens)
                             u = event.usage
                             self.metrics.observe_usage(u.prompt_tokens, u.cached_tokens, u.fetched_tokens, u.fetched_bytes)
                         yield event
                 return
             except WorkerUnreachable as err:
                 log.warning("worker %s failed: %s", plan.worker, err)
-                if streamed:
+                if streamed and not _resumable(prepared, emitted):
                     yield Failed(f"worker {plan.worker} failed mid-stream: {err}", 502)
                     return
                 excluded.add(plan.worker)
@@ -266,14 +271,18 @@ class Router:
             return
         raise ServiceUnavailable(f"no worker answered after {len(excluded)} attempts", code="workers_failed")
 
-    def _worker_request(self, prepared: Prepared, plan: Plan) -> GenerateRequest:
+    def _worker_request(self, prepared: Prepared, plan: Plan, emitted: list[int]) -> GenerateRequest:
+        """The request for one attempt; a resumed one asks for the rest after the tokens already emitted."""
         fetch = None
         if plan.fetch_from is not None:
             peer = self.live_workers().get(plan.fetch_from)
             if peer is not None:
                 fetch = FetchPlan(plan.fetch_from, peer.transfer_url, plan.fetch_start, plan.fetch_end)
+        sampling = prepared.sampling
+        if emitted:
+            sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(emitted))
         return GenerateRequest(
-            request_id=prepared.request_id, tokens=prepared.tokens, sampling=prepared.sampling,
+            request_id=prepared.request_id, tokens=prepared.tokens + emitted, sampling=sampling,
             cache_salt=prepared.cache_salt, fetch=fetch,
         )
 
@@ -294,3 +303,18 @@ class Router:
             load = self.inflight.load_of(node_id)
             self.metrics.inflight.labels(node_id).set(load.num_queued + load.num_running)
             self.metrics.queued_tokens.labels(node_id).set(load.queued_prefill_tokens)
+
+
+def _resumable(prepared: Prepared, emitted: list[int]) -> bool:
+    """A stream cut mid-way can resume on another worker when its continuation is determined: greedy
+    (reuse equals recompute, token for token, on every worker) and tokens still to come."""
+    return prepared.sampling.temperature == 0 and len(emitted) < prepared.sampling.max_tokens
+
+
+def _resumed_usage(done: Done, num_resumed: int) -> Done:
+    """Usage as the client asked: tokens emitted before a resume were completion, not prompt."""
+    if num_resumed <= 0:
+        return done
+    usage = msgspec.structs.replace(done.usage, prompt_tokens=done.usage.prompt_tokens - num_resumed,
+                                    completion_tokens=done.usage.completion_tokens + num_resumed)
+    return msgspec.structs.replace(done, usage=usage)

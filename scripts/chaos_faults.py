@@ -20,7 +20,7 @@ import aiohttp
 
 from cluster.deploy.launcher import LocalCluster
 from cluster.engine.model_source import tokenizer_for
-from router.contract.worker_api import AUTH_HEADER
+from router.contract.worker_api import AUTH_HEADER, GenerateRequest, SamplingParams, encode
 from scripts.chaos_client import ApiClient, Outcome, steady_load
 
 LEASE_TTL_S = 3
@@ -204,9 +204,10 @@ async def warm_directly(cluster: LocalCluster, node_id: str, prompts: list[str],
     headers = {AUTH_HEADER: token} if token else {}
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as session:
         for i, prompt in enumerate(prompts):
-            request = {"request_id": f"warm-{i}", "tokens": tokenizer.encode(prompt), "sampling": {"max_tokens": 1},
-                       "cache_salt": salt}
-            async with session.post(f"{cluster.workers[node_id].url}/generate", json=request) as response:
+            request = GenerateRequest(request_id=f"warm-{i}", tokens=tokenizer.encode(prompt),
+                                      sampling=SamplingParams(max_tokens=1), cache_salt=salt)
+            async with session.post(f"{cluster.workers[node_id].url}/generate", data=encode(request),
+                                    headers={"Content-Type": "application/json"}) as response:
                 assert response.status == 200, await response.text()
                 await response.read()
 

@@ -16,6 +16,7 @@ from router.contract.worker_api import Done, Failed, Token, Usage
 from router.cost_model import CostModel
 from router.openai_schema import CompletionBody
 from router.service import Router, RouterConfig
+from router.worker_client import WorkerUnreachable
 from store.keys import Namespace
 
 USAGE = Usage(prompt_tokens=5, completion_tokens=2, local_hit_tokens=0, fetched_tokens=0, computed_tokens=5,
@@ -115,3 +116,52 @@ def test_a_failure_after_the_first_token_is_passed_through_not_replayed():
     cut = [Token(104), Failed("worker shutting down: drain deadline", 503)]
     events, called = answer({"a": cut, "b": cut})
     assert events == cut and len(called) == 1
+
+
+class CutAfterTwoTokens(ScriptedClient):
+    """The first worker streams two tokens and then its connection breaks (a SIGKILLed worker);
+    any other worker answers the rest. Records every request it was sent."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.requests = []
+
+    async def generate(self, worker_url: str, request):
+        self.called.append(worker_url.removeprefix("http://"))
+        self.requests.append(request)
+        if len(self.called) == 1:
+            yield Token(104)
+            yield Token(105)
+            raise WorkerUnreachable("connection lost")
+        yield Token(106)  # its prompt is the original 5 tokens plus the 2 already streamed; it generated 1
+        yield Done("length", Usage(prompt_tokens=7, completion_tokens=1, local_hit_tokens=0, fetched_tokens=0,
+                                   computed_tokens=7, fetched_bytes=0, ttft_s=0.01))
+
+
+def cut_stream(temperature: float) -> tuple[list, CutAfterTwoTokens]:
+    client = CutAfterTwoTokens()
+    config = RouterConfig(model="m", namespace=Namespace("m", block_size=4), max_context=1000, vocab_size=259)
+    router = Router(config, ByteTokenizer(), View(["a", "b"]), client, CostModel())
+    body = CompletionBody(model="m", prompt="hello", max_tokens=3, temperature=temperature)
+
+    async def run() -> list:
+        return [event async for event in router.generate(router.prepare(body))]
+    return asyncio.run(run()), client
+
+
+def test_a_greedy_stream_cut_mid_way_resumes_on_another_worker_after_what_was_sent():
+    events, client = cut_stream(temperature=0.0)
+    assert [e.token for e in events if isinstance(e, Token)] == [104, 105, 106]  # each token once
+    assert len(set(client.called)) == 2
+    first, resumed = client.requests
+    assert resumed.tokens == first.tokens + [104, 105]  # the rest is asked after what the client has
+    assert resumed.sampling.max_tokens == 1 and first.sampling.max_tokens == 3
+    done = events[-1]
+    assert isinstance(done, Done)
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (5, 3)  # as the client asked
+
+
+def test_a_sampled_stream_cut_mid_way_ends_with_an_error_event():
+    events, client = cut_stream(temperature=0.7)
+    assert [e.token for e in events if isinstance(e, Token)] == [104, 105]
+    assert isinstance(events[-1], Failed) and events[-1].status == 502 and len(client.called) == 1

@@ -22,6 +22,7 @@ import time
 import urllib.request
 
 from cluster.deploy.launcher import LocalCluster
+from router.contract.worker_api import GenerateRequest, SamplingParams, encode
 
 DOCUMENT = ("The prefix pool keeps the key and value tensors of every full block of a prompt, "
             "found again by a chained hash of the tokens, so a repeated prefix is not computed twice. ")
@@ -100,10 +101,10 @@ class Demo:
             stop.set()
 
     def _keep_busy(self, worker: str, seed: int, stop: threading.Event) -> None:
-        body = {"request_id": f"demo-busy-{seed}", "tokens": list(range(1, 100)),
-                "sampling": {"max_tokens": 600, "seed": seed, "ignore_eos": True}}
+        body = GenerateRequest(request_id=f"demo-busy-{seed}", tokens=list(range(1, 100)),
+                               sampling=SamplingParams(max_tokens=600, seed=seed, ignore_eos=True))
         request = urllib.request.Request(f"{self.cluster.workers[worker].url}/generate",
-                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+                                         data=encode(body), headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=300) as reply:
             for _ in reply:
                 if stop.is_set():
