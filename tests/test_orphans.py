@@ -1,4 +1,4 @@
-"""No orphans: SIGKILL of `prefixpool up` or `prefixpool worker` leaves no process and no temp dir behind.
+"""No orphans: SIGKILL of `prefixpool up`, `worker`, `router --processes` or `etcd` leaves no process and no temp dir behind.
 
 Each command runs with TMPDIR pointed at a directory of the test's own, so
 "no temp dir left" is checked exactly; every descendant is found through
@@ -100,6 +100,17 @@ def test_sigkill_of_worker_leaves_nothing(etcd, tmp_path):
     process.stdout.close()
     assert not alive(pid)
     assert_all_gone(set(), tmp)
+
+
+def test_sigkill_of_router_processes_leaves_nothing(etcd, tmp_path):
+    """`router --processes 2`: the parent owns the children's shared metrics dir; SIGKILL takes all of it."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv = python_argv("router", "--processes", "2", "--port", "0", "--etcd-endpoints", etcd.endpoint,
+                       "--cluster", f"orphan{os.getpid()}")
+    process = start_until(argv, "READY ", env_with_tmp(tmp))
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("prefixpool-router-metrics-")]
+    kill_and_check(process, tmp)
 
 
 def test_sigkill_of_etcd_command_removes_its_temp_data_dir(tmp_path):

@@ -1,16 +1,18 @@
 """Ray deployment on a local Ray cluster: 2 worker actors, a router actor, etcd as an actor.
 
 A request hits the cache; a worker actor is killed, Ray restarts it, it re-registers in
-etcd, and the cluster keeps serving the same output as a cold recompute.
+etcd, and the cluster keeps serving the same output as a cold recompute. The actors run
+with a private TMPDIR, which must be empty after `down`.
 """
 
+import contextlib
 import json
 import os
-import time
-import urllib.request
-
+import shutil
 import signal
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -47,8 +49,12 @@ def wait_for(condition, timeout_s: float = 60.0) -> None:
 
 @pytest.fixture(scope="module")
 def deployment():
+    """The Ray cluster and every actor see a private TMPDIR, so "nothing left behind" is checked exactly."""
+    tmp, ray_dir = tempfile.mkdtemp(prefix="pp-ray-tmp-"), tempfile.mkdtemp(prefix="pp-ray-")  # short: Ray's socket paths
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray.init(num_cpus=4, include_dashboard=False, namespace=ray_deploy.NAMESPACE, log_to_driver=False)
+    with private_tmpdir(tmp):  # the raylet, and through it every actor, inherits it
+        ray.init(num_cpus=4, include_dashboard=False, namespace=ray_deploy.NAMESPACE, log_to_driver=False,
+                 _temp_dir=ray_dir)
     try:
         deployed = ray_deploy.up(2, router_port=0, etcd_port=free_port(),
                                  env={"PREFIXPOOL_LEASE_TTL_S": "3", "PREFIXPOOL_NUM_BLOCKS": "512"})
@@ -57,8 +63,28 @@ def deployment():
     finally:
         removed = ray_deploy.down()
         ray.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)
     assert {"router", "etcd", "worker-0", "worker-1"} <= set(removed)
     assert not Path(tempfile.gettempdir(), f"prefixpool-ray-etcd-{deployed.etcd_endpoints.rsplit(':', 1)[1]}").exists()
+    # actors killed by ray.kill (Ray SIGKILLs an exiting actor's children) or by a SIGKILLed
+    # supervisor, and `down`, leave no log dir: their janitors are nobody's children
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: not os.listdir(tmp), timeout_s=30)
+    assert sorted(os.listdir(tmp)) == []
+    os.rmdir(tmp)
+
+
+@contextlib.contextmanager
+def private_tmpdir(path: str):
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = old
 
 
 def test_cache_hit_through_ray(deployment):

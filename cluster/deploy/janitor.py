@@ -9,12 +9,16 @@ child (its own session: Ctrl-C does not reach it) that blocks reading a pipe
 whose only writer is the owner. When the owner dies, however it dies, the
 kernel closes the pipe, the janitor reads EOF and removes the directory
 (retrying briefly while the owner's other children, killed by their
-parent-death signal at the same moment, still write into it). Knows nothing
-of what the directories hold.
+parent-death signal at the same moment, still write into it). The janitor
+forks once more and its first process exits, so it is nobody's child: Ray
+SIGKILLs an exiting actor's children (ray.kill, `ray down`), and a janitor
+still among them died with its directory in place. Knows nothing of what the
+directories hold.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -28,12 +32,19 @@ class OwnedTempDir:
         self.path = Path(tempfile.mkdtemp(prefix=prefix))
         self._janitor = subprocess.Popen([sys.executable, "-m", "cluster.deploy.janitor", str(self.path)],
                                          stdin=subprocess.PIPE, start_new_session=True)
+        self._janitor.wait()  # its first process exits once the janitor is detached: from here on it is safe
+
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
         if self._janitor.stdin is not None and not self._janitor.stdin.closed:
             self._janitor.stdin.close()
-        self._janitor.wait()
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def remove_when_orphaned(path: Path, attempts: int = 50, pause_s: float = 0.1) -> None:
@@ -47,5 +58,12 @@ def remove_when_orphaned(path: Path, attempts: int = 50, pause_s: float = 0.1) -
         time.sleep(pause_s)
 
 
+def detach() -> None:
+    """Leave the owner's children: the first process exits, the grandchild carries on (reparented to init)."""
+    if os.fork():
+        os._exit(0)
+
+
 if __name__ == "__main__":
+    detach()
     remove_when_orphaned(Path(sys.argv[1]))

@@ -4,7 +4,7 @@
             binding the same port with SO_REUSEPORT (the kernel spreads connections) ->
             all ready: close its own socket, announce the URL -> SIGTERM/SIGINT or a child
             gone: SIGTERM every child by pid, join, SIGKILL what did not stop
-    metrics: PROMETHEUS_MULTIPROC_DIR (a temp dir this parent owns) puts every child's
+    metrics: PROMETHEUS_MULTIPROC_DIR (a temp dir this parent owns, with a janitor) puts every child's
             counters in shared files; any child's /metrics answers for all of them
 
 Knows nothing of routing: it runs `serve_one(settings, on_ready)` per child.
@@ -18,11 +18,11 @@ import multiprocessing
 import os
 import queue
 import signal
-import tempfile
 import threading
 import time
 from typing import Callable
 
+from cluster.deploy.janitor import OwnedTempDir
 from cluster.deploy.processes import announce_ready, die_with_parent
 from cluster.deploy.router_settings import RouterSettings
 
@@ -40,8 +40,8 @@ def _child(settings: RouterSettings, ready: multiprocessing.Queue, serve_one: Ca
 def run_processes(settings: RouterSettings, serve_one: Callable) -> int:
     from cluster.deploy.router_cli import listen  # the same bind the children use
 
-    with tempfile.TemporaryDirectory(prefix="prefixpool-router-metrics-") as metrics_dir:
-        os.environ[MULTIPROC_ENV] = metrics_dir  # inherited by the spawned children before they import prometheus
+    with OwnedTempDir("prefixpool-router-metrics-") as metrics_dir:  # removed even if this parent is SIGKILLed
+        os.environ[MULTIPROC_ENV] = str(metrics_dir)  # inherited by the spawned children before they import prometheus
         reserved = listen(settings.host, settings.port)
         port = reserved.getsockname()[1]
         context = multiprocessing.get_context("spawn")
