@@ -1,6 +1,6 @@
 """Other routers' in-flight work, as each publishes it to etcd: the fleet's share of a worker's load.
 
-    router R puts  /prefixpool/<ns>/routers/<R>  = RouterLoad{worker: [requests, queued prefill tokens]}
+    router R puts  /prefixpool/<ns>/routers/<R>  = RouterLoad{url, worker: [requests, queued prefill tokens]}
                    under R's own lease, coalesced (one put per period at most, only when it changed)
     every router:  load(W) = its own live in-flight on W + sum over the other routers' entries for W
 
@@ -18,10 +18,11 @@ import msgspec
 
 
 class RouterLoad(msgspec.Struct, frozen=True):
-    """One router's in-flight work per worker: worker -> (requests, queued prefill tokens)."""
+    """One router's in-flight work per worker: worker -> (requests, queued prefill tokens), and where it serves."""
 
     router_id: str
     workers: dict[str, tuple[int, int]] = {}
+    url: str = ""  # the router's advertised http URL ("" from routers that predate it)
 
 
 _decoder = msgspec.json.Decoder(RouterLoad)
@@ -62,6 +63,10 @@ class FleetLoad:
     def routers(self) -> dict[str, int]:
         """Router id -> revision of its entry."""
         return {router_id: entry.revision for router_id, entry in self._entries.items()}
+
+    def urls(self) -> dict[str, str]:
+        """Router id -> the URL it advertises."""
+        return {router_id: entry.load.url for router_id, entry in self._entries.items()}
 
     def share(self, worker: str, exclude: str = "") -> tuple[int, int]:
         """(requests, queued prefill tokens) on `worker` summed over every router but `exclude`."""

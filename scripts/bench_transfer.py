@@ -24,6 +24,7 @@ import ctypes
 import multiprocessing
 import os
 import socket
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -258,6 +259,7 @@ def main() -> None:
     parser.add_argument("--movers", default=",".join(MOVERS), help="comma-separated subset of the columns")
     parser.add_argument("--blocks", default=",".join(BLOCK_SIZES), help="comma-separated subset of the rows")
     parser.add_argument("--log-file", default=None, help="where Mooncake's and UCX's logs go (default: a temp file)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per cell, movers interleaved; the table shows medians")
     parser.add_argument("--hosts", action="store_true", help="holder and receiver in two network namespaces (root)")
     args = parser.parse_args()
     send_native_logs_to(args.log_file)
@@ -277,17 +279,21 @@ def table(args: argparse.Namespace, place: Placement, where: str) -> None:
     passes = max(1, args.total_mib // args.arena_mib)
     moved = passes * arena_bytes
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"{where}, {moved >> 20} MiB timed per row ({passes} passes over a {args.arena_mib} MiB arena), GB/s")
+    print(f"{where}, {moved >> 20} MiB timed per row ({passes} passes over a {args.arena_mib} MiB arena), GB/s"
+          f"{f', median of {args.repeat} interleaved runs' if args.repeat > 1 else ''}")
     print(f"{os.cpu_count()} CPUs, load average at start {load}\n")
     print("| block | " + " | ".join(movers) + " | best ours / raw | best ours / Mooncake | verified |")
     print("|---" * (len(movers) + 4) + "|")
     for label, block_bytes in BLOCK_SIZES.items():
         if label not in args.blocks.split(","):
             continue
-        rates, verified = {}, True
-        for mover in movers:
-            elapsed, ok = measure(mover, place, block_bytes, arena_bytes, passes)
-            rates[mover], verified = moved / elapsed / 1e9, verified and ok
+        samples, verified = {mover: [] for mover in movers}, True
+        for _ in range(args.repeat):  # movers interleaved, so a load spike hits them alike
+            for mover in movers:
+                elapsed, ok = measure(mover, place, block_bytes, arena_bytes, passes)
+                samples[mover].append(moved / elapsed / 1e9)
+                verified = verified and ok
+        rates = {mover: statistics.median(rates) for mover, rates in samples.items()}
         best = max(rates.get("prefixpool TCP", 0.0), rates.get("prefixpool UCX", 0.0))
         cells = " | ".join(f"{rates[m]:.2f}" for m in movers)
         ratios = " | ".join(f"{best / rates[m]:.2f}x" if m in rates else "-" for m in ("raw socket", "Mooncake TCP"))

@@ -78,13 +78,21 @@ def cached(body: dict) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def node_records(etcd: str, cluster: str = "default") -> dict[str, dict]:
-    """Node records as etcdctl (an independent client) reads them."""
+def _records(etcd: str, folder: str, cluster: str) -> list[dict]:
+    """The JSON values under /prefixpool/<cluster>/<folder>/, as etcdctl (an independent client) reads them."""
     out = subprocess.run([find_binary("etcdctl"), f"--endpoints={etcd}", "get", "--prefix",
-                          f"/prefixpool/{cluster}/nodes/", "--print-value-only"],
+                          f"/prefixpool/{cluster}/{folder}/", "--print-value-only"],
                          capture_output=True, text=True, check=True, timeout=60).stdout
-    records = [json.loads(line) for line in out.splitlines() if line.strip()]
-    return {r["node_id"]: r for r in records}
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def node_records(etcd: str, cluster: str = "default") -> dict[str, dict]:
+    return {r["node_id"]: r for r in _records(etcd, "nodes", cluster)}
+
+
+def router_entries(etcd: str, cluster: str = "default") -> dict[str, dict]:
+    """Each router's load entry: its advertised URL and its in-flight load."""
+    return {r["router_id"]: r for r in _records(etcd, "routers", cluster)}
 
 
 def block_count(etcd: str, node_id: str, cluster: str = "default") -> int:

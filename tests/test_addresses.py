@@ -1,13 +1,18 @@
-"""Address rules: bind what is asked, advertise what peers can reach, refuse loopback into a remote etcd."""
+"""Address rules: bind what is asked, advertise what peers can reach, refuse loopback into a remote etcd.
+
+Workers put their advertised URLs in their node records, routers theirs in their load entries."""
 
 from __future__ import annotations
 
+import json
 import subprocess
+from urllib.parse import urlsplit
 
 import pytest
 
 from cluster.deploy.addresses import AddressError, advertise_host, bind_host, interface_of, route_source
-from cluster.deploy.processes import python_argv
+from cluster.deploy.processes import python_argv, spawn
+from tests.conftest import etcdctl_get_prefix
 
 REMOTE_ETCD = "198.18.250.1:2379"  # benchmarking range: routed (by default route) but never contacted
 
@@ -41,8 +46,24 @@ def test_loopback_into_a_remote_etcd_is_refused(bound, given):
         advertise_host(bound, given, REMOTE_ETCD)
 
 
-def test_worker_refuses_clearly_before_starting_anything():
-    argv = python_argv("worker", "--host", "127.0.0.1", "--etcd-endpoints", REMOTE_ETCD)
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("component, flags", [("worker", ("--host", "127.0.0.1")), ("router", ("--host", "127.0.0.1")),
+                                              ("router", ("--host", "0.0.0.0", "--advertise-host", "localhost"))])
+def test_worker_and_router_refuse_clearly_before_starting_anything(component, flags):
+    done = subprocess.run(python_argv(component, *flags, "--etcd-endpoints", REMOTE_ETCD),
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "would advertise loopback 127.0.0.1" in done.stderr and "--advertise-host" in done.stderr
+    assert "would advertise loopback" in done.stderr and "--advertise-host" in done.stderr
+    assert f"prefixpool {component}:" in done.stderr
+
+
+@pytest.mark.parametrize("flags, host", [(("--host", "0.0.0.0"), "127.0.0.1"),
+                                         (("--host", "0.0.0.0", "--advertise-host", "127.0.0.2"), "127.0.0.2")])
+def test_router_puts_its_advertised_url_in_its_etcd_entry(etcd, ns, tmp_path, flags, host):
+    router = spawn("router", python_argv("router", "--etcd-endpoints", etcd.endpoint, "--cluster", ns, "--port", "0",
+                                         "--router-id", "r-addr", *flags), tmp_path)
+    try:
+        _, kvs = etcdctl_get_prefix(etcd, f"/prefixpool/{ns}/routers/")
+    finally:
+        router.stop()
+    assert [json.loads(value)["url"] for value in kvs.values()] == [router.url]
+    assert urlsplit(router.url).hostname == host

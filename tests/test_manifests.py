@@ -120,7 +120,7 @@ ADDRESS_FLAGS = ("--router-host", "--etcd-endpoints", "--host", "--advertise-hos
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_worker_advertises_its_pod_ip_and_no_address_is_loopback(overlay):
+def test_every_worker_and_router_advertises_its_pod_ip_and_no_address_is_loopback(overlay):
     docs = render(overlay)
     config_maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
     runs_workers = 0
@@ -136,8 +136,8 @@ def test_every_worker_advertises_its_pod_ip_and_no_address_is_loopback(overlay):
         given += [args[i + 1] for i, a in enumerate(args[:-1]) if a in ADDRESS_FLAGS]
         for value in given:
             assert not any(part.strip().startswith(LOOPBACK) for part in value.split(",")), (container["name"], value)
-        if not args or args[0] == "worker":  # the container runs workers (a Ray node runs worker actors)
-            runs_workers += 1
+        if not args or args[0] in ("worker", "router"):  # a Ray node runs worker actors (the head the router)
+            runs_workers += args[:1] != ["router"]
             advertise = env["PREFIXPOOL_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"]
             assert advertise == "status.podIP", container["name"]
         elif args[0] == "vllm-node":  # the sidecar advertises its vLLM server's URL, built on the pod IP

@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.multihost_cluster import (SHARED, block_count, cached, complete, generate, node_records, start_etcd,
-                                     start_router, start_worker, wait_for_workers, wait_until)
+from tests.multihost_cluster import (SHARED, block_count, cached, complete, generate, node_records, router_entries,
+                                     start_etcd, start_router, start_worker, wait_for_workers, wait_until)
 
 NUM_HOSTS = 5
 TRANSPORTS = {"worker-3": "tcp", "worker-4": "tcp", "worker-5": "ucx"}
@@ -34,6 +34,7 @@ def plain(hosts, tmp_path_factory):
 def test_every_component_binds_and_advertises_its_own_host(hosts, plain):
     assert plain["etcd"].startswith(hosts[0].address + ":")
     assert urlsplit(plain["router"]).hostname == hosts[1].address
+    assert [entry["url"] for entry in router_entries(plain["etcd"]).values()] == [plain["router"]]
     records = node_records(plain["etcd"])
     assert sorted(records) == sorted(TRANSPORTS)
     for i, (name, transport) in enumerate(TRANSPORTS.items()):

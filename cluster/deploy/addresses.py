@@ -6,8 +6,7 @@
                                      given if any; else the bound address, or (bound to 0.0.0.0)
                                      the address routing to etcd; loopback advertised into a
                                      non-loopback etcd is refused (AddressError): peers on other
-                                     machines would call themselves
-    reachable_host(bound, etcd)      the router's announced address (it puts none into etcd)
+                                     machines would call themselves (workers and routers alike)
     interface_of(address)            the interface holding it (what UCX_NET_DEVICES names)
 
 Knows nothing of what is served on these addresses.
@@ -63,7 +62,7 @@ def bind_host(host: str, etcd_endpoints: str) -> str:
     return route_source(etcd_hosts(etcd_endpoints)[0])
 
 
-def reachable_host(bound: str, etcd_endpoints: str) -> str:
+def _reachable_host(bound: str, etcd_endpoints: str) -> str:
     """The bound address, or (bound to every interface) the one a peer of etcd would reach."""
     if bound not in WILDCARDS:
         return bound
@@ -71,11 +70,11 @@ def reachable_host(bound: str, etcd_endpoints: str) -> str:
 
 
 def advertise_host(bound: str, given: str, etcd_endpoints: str) -> str:
-    chosen = given or reachable_host(bound, etcd_endpoints)
+    chosen = given or _reachable_host(bound, etcd_endpoints)
     if is_loopback(chosen) and not etcd_on_loopback(etcd_endpoints):
         raise AddressError(
             f"would advertise loopback {chosen} into etcd at {etcd_endpoints}, which is not on loopback: peers on "
-            "other machines could not reach this node; pass --host with a routable address (or 0.0.0.0) "
+            "other machines could not reach it; pass --host with a routable address (or 0.0.0.0) "
             "or --advertise-host")
     return chosen
 

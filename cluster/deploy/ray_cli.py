@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="client port of the etcd actor (peer port: +1); fixed, so a restarted actor keeps its endpoint")
     parser.add_argument("--etcd-data-dir", default="",
                         help="etcd actor's data dir on the head node (default: TMPDIR/prefixpool-ray-etcd-PORT); kept across restarts")
-    parser.add_argument("--router-host", default="127.0.0.1", help="address the router actor binds (0.0.0.0 in Kubernetes)")
+    parser.add_argument("--router-host", default="", help="address the router actor binds (default: the router's "
+                        "own rule: loopback on a one-node cluster, the head's address on several; 0.0.0.0 in Kubernetes)")
     parser.add_argument("--router-port", type=int, default=8000)
 
 

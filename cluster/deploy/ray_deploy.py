@@ -117,7 +117,7 @@ def _start_etcd(port: int, data_dir: str, env: dict[str, str]) -> str:
 
 
 def up(num_workers: int, *, etcd_endpoints: str = "", etcd_port: int = 2379, etcd_data_dir: str = "",
-       router_port: int = 8000, router_host: str = "127.0.0.1", worker_args: tuple[str, ...] = (),
+       router_port: int = 8000, router_host: str = "", worker_args: tuple[str, ...] = (),
        router_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Deployment:
     """Deploy on the Ray cluster `ray.init` connected to; returns where it serves.
 
@@ -135,7 +135,8 @@ def up(num_workers: int, *, etcd_endpoints: str = "", etcd_port: int = 2379, etc
     ]
     urls = ray.get([w.url.remote() for w in workers])
     router = _actor("router", on_head=True).remote("router", [
-        "router", "--etcd-endpoints", etcd_endpoints, "--host", router_host, "--port", str(router_port), *router_args], env)
+        "router", "--etcd-endpoints", etcd_endpoints, *(["--host", router_host] if router_host else []),
+        "--port", str(router_port), *router_args], env)
     return Deployment(ray.get(router.url.remote()), etcd_endpoints, names, urls)
 
 

@@ -1,7 +1,10 @@
 """`prefixpool router`: the cache-aware router process, or N of them on one port.
 
     etcd Mirror (snapshot + watch) ─▶ Router (policy, cost model) ─▶ HTTP (OpenAI API)
-    LoadPublisher: this router's in-flight load per worker ─▶ etcd, under its own lease
+    LoadPublisher: this router's URL and in-flight load per worker ─▶ etcd, under its own lease
+
+It binds --host and advertises --advertise-host (cluster.deploy.addresses: a
+loopback address into a non-loopback etcd is refused before anything starts).
 
 With `--processes N` the parent picks the port, starts N router processes that
 each bind it with SO_REUSEPORT (the kernel spreads connections over them), each
@@ -31,7 +34,7 @@ import sys
 
 from aiohttp import web
 
-from cluster.deploy.addresses import AddressError, bind_host, reachable_host
+from cluster.deploy.addresses import AddressError, advertise_host, bind_host
 from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
 from cluster.meta.load_publisher import LoadPublisher, LoadPublisherConfig
@@ -62,10 +65,11 @@ def run(args: argparse.Namespace) -> int:
     settings = from_args(RouterSettings, args)
     try:
         host = bind_host(settings.host, settings.etcd_endpoints)
+        advertise = advertise_host(host, settings.advertise_host, settings.etcd_endpoints)
     except AddressError as err:
         print(f"prefixpool router: {err}", file=sys.stderr)
         return 2
-    settings = dataclasses.replace(settings, host=host,
+    settings = dataclasses.replace(settings, host=host, advertise_host=advertise,
                                    router_id=settings.router_id or f"{socket.gethostname()}-{os.getpid()}")
     try:
         model_config(settings.model, settings.model_path)  # refused here, once, before any process starts
@@ -118,8 +122,10 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
     client = WorkerClient(settings.worker_token, read_timeout_s=settings.request_timeout_s)
     router = build_router(settings, mirror, client)
     vllm = router.kind_clients["vllm"] = VllmClient(settings.model, read_timeout_s=settings.request_timeout_s)
+    sock = listen(settings.host, settings.port)  # bound first: the load entry names the real port
+    url = f"http://{settings.advertise_host}:{sock.getsockname()[1]}"
     publisher = LoadPublisher(etcd, layout, settings.router_id, router.inflight,
-                              LoadPublisherConfig(ttl_s=settings.lease_ttl_s, period_s=settings.load_publish_s))
+                              LoadPublisherConfig(ttl_s=settings.lease_ttl_s, period_s=settings.load_publish_s), url)
     router.inflight.on_change = publisher.changed
     await mirror.start()
     await publisher.start()
@@ -127,7 +133,6 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
         await mirror.wait_revision(1, timeout_s=SNAPSHOT_WAIT_S)
     except TimeoutError:
         log.warning("no etcd snapshot yet; serving, /readyz stays 503 until workers appear")
-    sock = listen(settings.host, settings.port)
     gate = Drain()
     runner = web.AppRunner(build_app(router, gate), access_log=None)
     await runner.setup()
@@ -135,7 +140,6 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
     tasks = [asyncio.create_task(_follow_prefill_speed(router, mirror))]
     if settings.processes > 1:  # a scrape reaches one process: every process keeps its gauges current
         tasks.append(asyncio.create_task(_refresh_gauges(router)))
-    url = f"http://{reachable_host(settings.host, settings.etcd_endpoints)}:{sock.getsockname()[1]}"
     on_ready(url)
     log.info("router %s serving %s (policy %s)", settings.router_id, url, settings.policy)
     stop = asyncio.Event()

@@ -12,6 +12,9 @@ from cluster.deploy.settings import setting
 class RouterSettings(CommonSettings):
     host: str = setting("", "address to bind (default: 127.0.0.1 when etcd is on loopback, else the local address "
                         "of the interface routing to etcd; 0.0.0.0 binds all)")
+    advertise_host: str = setting("", "address clients, operators and other routers reach this router at, put in its "
+                                  "etcd load entry (default: host; with host 0.0.0.0 the address routing to etcd; "
+                                  "never loopback into a remote etcd)")
     port: int = setting(8000, "port to bind (0 picks a free one)")
     policy: str = setting("cost", "routing policy: cost, cost_local, least_load, longest_prefix, round_robin, random")
     api_key: str = setting("", "if set, clients must send 'Authorization: Bearer <key>'")

@@ -1,6 +1,6 @@
 """A router's presence in etcd: its own lease and its in-flight load, put coalesced.
 
-    start:  grant lease L (ttl), put routers/<id> = RouterLoad under L
+    start:  grant lease L (ttl), put routers/<id> = RouterLoad (its URL and load) under L
     loop:   woken by the tracker's on_change, or every ttl/4 for the keepalive:
             keepalive(L) when due; if the snapshot changed since the last put, put it; then sleep
             `period_s`, so a burst of begins and ends costs one put, not one each
@@ -41,8 +41,9 @@ class LoadPublisherConfig:
 
 class LoadPublisher:
     def __init__(self, client: EtcdClient, layout: Layout, router_id: str, tracker: LoadSource,
-                 config: LoadPublisherConfig = LoadPublisherConfig()) -> None:  # fmt: skip
+                 config: LoadPublisherConfig = LoadPublisherConfig(), url: str = "") -> None:  # fmt: skip
         self.client, self.layout, self.router_id, self.config = client, layout, router_id, config
+        self.url = url  # where this router serves, as it advertises it
         self.tracker = tracker
         self.lease_id: int | None = None
         self.revision = 0  # etcd revision of our latest put
@@ -83,7 +84,7 @@ class LoadPublisher:
         if current == self._published:
             return
         assert self.lease_id is not None
-        load = RouterLoad(self.router_id, current)
+        load = RouterLoad(self.router_id, current, self.url)
         self.revision = await self.client.put(self.layout.router_key(self.router_id), encode_load(load), self.lease_id)
         self._published = current
         self.tracker.published(current, self.revision)
