@@ -23,6 +23,7 @@ import asyncio
 import ctypes
 import multiprocessing
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -268,6 +269,7 @@ def main() -> None:
     from scripts.multihost import Hosts
 
     os.environ["UCX_NET_DEVICES"] = "eth0"  # the children inherit it: the namespaces' veth, not lo
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run still removes its namespaces
     with Hosts(2) as hosts:
         place = Placement(hosts[0].address, hosts[0].name, hosts[1].address, hosts[1].name)
         table(args, place, f"across two network namespaces on a veth bridge ({hosts[0].address} -> {hosts[1].address})")

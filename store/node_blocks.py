@@ -129,7 +129,8 @@ class NodeBlocks:
         """
         assert start + len(keys) <= len(hold.block_ids), "commit past the hold's blocks"
         commit = self.pool.commit
-        return [key for block_id, key in zip(hold.block_ids[start:], keys) if commit(block_id, key)]
+        block_ids = hold.block_ids[start : start + len(keys)]  # not [start:]: a fetch commits block by block
+        return [key for block_id, key in zip(block_ids, keys) if commit(block_id, key)]
 
     def adopt(self, hold: Hold, index: int, key: BlockKey) -> None:
         """After a refused commit: hold the block that answers for `key` instead of block `index`."""
