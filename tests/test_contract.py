@@ -6,6 +6,7 @@ import pytest
 
 from router.contract.worker_api import (MSGPACK, GenerateRequest, SamplingError, SamplingParams, decode_request, encode,
                                         encode_request)
+from router.vllm_client import VllmClient
 from store.keys import TOKEN_DTYPE, Namespace, chain
 
 
@@ -42,3 +43,11 @@ def test_ragged_packed_tokens_are_refused_on_decode():
     wire = msgspec.msgpack.encode({"request_id": "r", "tokens": b"\x01\x00\x00", "sampling": {}})
     with pytest.raises(msgspec.ValidationError, match="4-byte ids"):
         decode_request(wire, MSGPACK)
+
+
+def test_the_vllm_client_sends_packed_ids_as_the_json_list_vllm_reads():
+    ids = np.array([5, 300, 128_000], dtype=TOKEN_DTYPE)
+    request = GenerateRequest(request_id="r", tokens=ids.tobytes(), sampling=SamplingParams())
+    body = VllmClient("m").body(request)
+    assert body["prompt"] == [5, 300, 128_000] and all(type(t) is int for t in body["prompt"])
+    assert msgspec.json.decode(msgspec.json.encode(body))["prompt"] == [5, 300, 128_000]
