@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import random
 import time
-import uuid
 from dataclasses import dataclass
 from itertools import islice
 from typing import AsyncIterator, Callable, Iterable, Protocol, Sequence
@@ -138,10 +138,10 @@ class Router:
                 f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens", code="context_length_exceeded")
         if (top := int(ids.max())) >= self.config.vocab_size:
             raise InvalidRequest(f"token id {top} is outside the vocabulary ({self.config.vocab_size})", param="prompt")
-        keys = chain_from(self._root(body.cache_salt), ids.tobytes(), self.config.namespace.block_size)
+        keys = chain_from(self._root(body.cache_salt), ids, self.config.namespace.block_size)  # reads ids' buffer
         options = getattr(body, "stream_options", None)
-        return Prepared(
-            request_id=f"{'chatcmpl' if isinstance(body, ChatBody) else 'cmpl'}-{uuid.uuid4().hex}",
+        return Prepared(  # the id: a uuid4's randomness, without building a UUID
+            request_id=f"{'chatcmpl' if isinstance(body, ChatBody) else 'cmpl'}-{os.urandom(16).hex()}",
             model=self.model, chat=isinstance(body, ChatBody), stream=getattr(body, "stream", False),
             include_usage=bool(options and options.include_usage), ids=ids, keys=keys, cache_salt=body.cache_salt,
             sampling=SamplingParams(max_tokens=max_tokens, temperature=getattr(body, "temperature", 0.0),
