@@ -172,6 +172,13 @@ class Stack:
         self.etcd.close()
         shutil.rmtree(self.log_dir, ignore_errors=True)
 
+    def pids(self) -> dict[str, int]:
+        """The process behind each latency target: the null worker for the direct path."""
+        found = {"direct (null worker)": self.worker.pid, "prefixpool router": self.router.pid}
+        if self.sglang is not None:
+            found["sglang-router 0.3.2 (cache_aware)"] = self.sglang.pid
+        return found
+
     def targets(self, processes: bool = False) -> dict[str, str]:
         found = {"direct (null worker)": self.worker.url, "prefixpool router": self.router.url}
         if processes:
@@ -202,6 +209,20 @@ def _post_ok(url: str, body: bytes) -> bool:
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as reply:
         return reply.status == 200
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (/proc/<pid>/stat, clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_request(pids: dict[str, int], run, num_served: dict[str, int]) -> dict[str, float]:
+    """CPU seconds each process spent per request it served while `run()` ran: load-independent,
+    unlike latency on a shared machine (the null worker serves every path's requests)."""
+    before = {name: _cpu_s(pid) for name, pid in pids.items()}
+    run()
+    return {name: (_cpu_s(pid) - before[name]) / num_served[name] for name, pid in pids.items()}
 
 
 def added_latency(targets: dict[str, str], body: bytes, requests: int) -> dict[str, list[float]]:
@@ -293,17 +314,19 @@ def main() -> None:
     body = json.dumps({"model": "tiny", "prompt": _text(args.tokens, 99), "max_tokens": 1, "temperature": 0}).encode()
     stack = Stack().start()
     try:
-        times = added_latency(stack.targets(), body, args.requests)
+        targets, times = stack.targets(), {}
+        served = {name: args.requests + 20 for name in targets} | {"direct (null worker)": len(targets) * (args.requests + 20)}
+        cpu = cpu_per_request(stack.pids(), lambda: times.update(added_latency(targets, body, args.requests)), served)
         rates = throughput(stack.targets(processes=True), body, args.concurrency, args.throughput_requests)
     finally:
         stack.stop()
     direct = times["direct (null worker)"]
     print(f"\n### Added latency, {args.tokens:,}-token prompt, 1 output token, {args.requests} sequential requests each "
           f"(targets in turn, keep-alive)\n")
-    print("| path | p50 ms | p99 ms | added p50 ms | added p99 ms |")
-    print("|---|---:|---:|---:|---:|")
+    print("| path | p50 ms | p99 ms | added p50 ms | added p99 ms | CPU per request ms (its process) |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, values in times.items():
-        print(_row(name, values, direct))
+        print(f"{_row(name, values, direct)} {cpu[name] * 1e3:.3f} |")
     print(f"\n### Throughput, {args.tokens:,}-token prompt, {args.concurrency} concurrent clients (one asyncio process), "
           f"{args.throughput_requests} requests each\n")
     print("| path | requests/s |")
