@@ -57,7 +57,7 @@ class BlockIndex:
     def tier_of(self, node_id: str, key: BlockKey) -> str | None:
         return self.holders.get(key, {}).get(node_id)
 
-    def lower_tiers(self, node_id: str, keys: Sequence[BlockKey]) -> dict[str, int]:
+    def lower_tiers(self, node_id: str, keys: Iterable[BlockKey]) -> dict[str, int]:
         """{tier: count} of `keys` that `node_id` holds below the device; {} at once when it holds none there."""
         counts: dict[str, int] = {}
         if not self.num_lower.get(node_id):

@@ -27,6 +27,9 @@ class WorkerInflight:
     published_revision: int | None = 0
 
 
+IDLE = WorkerInflight()  # what load_of answers for a worker this router has never sent work to; never mutated
+
+
 @dataclass(slots=True)
 class _Ticket:
     worker: str
@@ -75,7 +78,8 @@ class InflightTracker:
         self.on_change()
 
     def load_of(self, worker: str) -> WorkerInflight:
-        return self._workers.get(worker, WorkerInflight())
+        """Read only: a worker with nothing in flight gets the shared IDLE record (one per decision and worker)."""
+        return self._workers.get(worker, IDLE)
 
     def snapshot(self) -> dict[str, tuple[int, int]]:
         """worker -> (requests in flight, queued prefill tokens), idle workers left out."""

@@ -1,7 +1,8 @@
 """The Router service: prepare a request, choose a worker, stream its answer, retry on failure.
 
-    prepare(body)  tokenize (chat template first) straight into int32, check model /
-                   context / salt, hash the block keys: the only hash of the request
+    tokenize(body) the prompt (chat template first) straight into int32 ids
+    prepare(body)  tokenize, check model / context / vocabulary, hash the block keys:
+                   the only hash of the request
     explain(req)   keys -> index.longest_prefix -> policy.choose, with every term
     generate(req)  choose -> POST worker /generate -> events; a worker that fails
                    before streaming anything (unreachable, a 503 while it drains, a 5xx
@@ -17,11 +18,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import random
 import time
-import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Protocol, Sequence
+from itertools import islice
+from typing import AsyncIterator, Callable, Iterable, Protocol, Sequence
 
 import msgspec
 import numpy as np
@@ -51,7 +53,7 @@ class WorkerInfo(Protocol):
 
 class ClusterView(Protocol):
     def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]: ...
-    def lower_tiers(self, node_id: str, keys: Sequence[BlockKey]) -> dict[str, int]: ...
+    def lower_tiers(self, node_id: str, keys: Iterable[BlockKey]) -> dict[str, int]: ...
     def workers(self) -> dict[str, WorkerInfo]: ...
     def fleet_share(self, worker: str, exclude: str) -> tuple[int, int]: ...
     def report_revision(self, node_id: str) -> int: ...
@@ -73,14 +75,14 @@ class Prepared:
     chat: bool
     stream: bool
     include_usage: bool
-    ids: np.ndarray  # int32 token ids; a list only when a worker request is built
+    ids: np.ndarray  # int32 token ids: hashed here, sent to the worker as these bytes
     keys: list[BlockKey]  # hashed once, in prepare
     sampling: SamplingParams
     cache_salt: str
 
     @property
     def tokens(self) -> list[int]:
-        """The prompt's ids as a list (what a worker request carries); made on each call."""
+        """The prompt's ids as a list, made on each call (workers get the packed ids, not this)."""
         return self.ids.tolist()
 
 
@@ -122,11 +124,13 @@ class Router:
         if self.config.api_key and authorization != f"Bearer {self.config.api_key}":
             raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
-    def prepare(self, body: CompletionBody | ChatBody | RouteBody) -> Prepared:
+    def prepare(self, body: CompletionBody | ChatBody | RouteBody, ids: np.ndarray | None = None) -> Prepared:
+        """A checked, hashed request; `ids` are its tokenize(body) when the caller already has them."""
         if body.model != self.model:
             raise ModelNotFound(f"model {body.model!r} does not exist; this router serves {self.model!r}",
                                 param="model", code="model_not_found")
-        ids = self._ids_of(body)
+        if ids is None:
+            ids = self.tokenize(body)
         max_tokens = requested_tokens(body, self.config.default_max_tokens)
         if len(ids) + max_tokens > self.config.max_context:
             raise InvalidRequest(
@@ -134,10 +138,10 @@ class Router:
                 f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens", code="context_length_exceeded")
         if (top := int(ids.max())) >= self.config.vocab_size:
             raise InvalidRequest(f"token id {top} is outside the vocabulary ({self.config.vocab_size})", param="prompt")
-        keys = chain_from(self._root(body.cache_salt), ids.tobytes(), self.config.namespace.block_size)
+        keys = chain_from(self._root(body.cache_salt), ids, self.config.namespace.block_size)  # reads ids' buffer
         options = getattr(body, "stream_options", None)
-        return Prepared(
-            request_id=f"{'chatcmpl' if isinstance(body, ChatBody) else 'cmpl'}-{uuid.uuid4().hex}",
+        return Prepared(  # the id: a uuid4's randomness, without building a UUID
+            request_id=f"{'chatcmpl' if isinstance(body, ChatBody) else 'cmpl'}-{os.urandom(16).hex()}",
             model=self.model, chat=isinstance(body, ChatBody), stream=getattr(body, "stream", False),
             include_usage=bool(options and options.include_usage), ids=ids, keys=keys, cache_salt=body.cache_salt,
             sampling=SamplingParams(max_tokens=max_tokens, temperature=getattr(body, "temperature", 0.0),
@@ -145,7 +149,7 @@ class Router:
                                     ignore_eos=getattr(body, "ignore_eos", False)),
         )
 
-    def _ids_of(self, body: CompletionBody | ChatBody | RouteBody) -> np.ndarray:
+    def tokenize(self, body: CompletionBody | ChatBody | RouteBody) -> np.ndarray:
         """The prompt as little-endian int32 ids: what the block hash reads, made once."""
         messages = getattr(body, "messages", None)
         if messages is not None:
@@ -190,7 +194,7 @@ class Router:
 
     def _lower_tiers(self, keys: list[BlockKey], matches: dict[str, int]) -> dict[str, dict[str, int]]:
         """Per node, how many blocks of its matched prefix sit in each tier below the device."""
-        lower = {node_id: self.view.lower_tiers(node_id, keys[:num]) for node_id, num in matches.items()}
+        lower = {node_id: self.view.lower_tiers(node_id, islice(keys, num)) for node_id, num in matches.items()}
         return {node_id: counts for node_id, counts in lower.items() if counts}
 
     def _load(self, node_id: str, worker: WorkerInfo) -> NodeLoad:
@@ -282,7 +286,7 @@ class Router:
         if emitted:
             sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(emitted))
         return GenerateRequest(
-            request_id=prepared.request_id, tokens=prepared.tokens + emitted, sampling=sampling,
+            request_id=prepared.request_id, tokens=_packed(prepared.ids, emitted), sampling=sampling,
             cache_salt=prepared.cache_salt, fetch=fetch,
         )
 
@@ -303,6 +307,11 @@ class Router:
             load = self.inflight.load_of(node_id)
             self.metrics.inflight.labels(node_id).set(load.num_queued + load.num_running)
             self.metrics.queued_tokens.labels(node_id).set(load.queued_prefill_tokens)
+
+
+def _packed(ids: np.ndarray, emitted: list[int]) -> bytes:
+    """The prompt (and tokens already emitted, on a resume) as the packed int32 ids workers take."""
+    return ids.tobytes() + np.array(emitted, dtype=TOKEN_DTYPE).tobytes() if emitted else ids.tobytes()
 
 
 def _resumable(prepared: Prepared, emitted: list[int]) -> bool:

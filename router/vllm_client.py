@@ -41,7 +41,7 @@ class VllmClient:
 
     def body(self, request: GenerateRequest) -> dict:
         sampling = request.sampling
-        body = {"model": self.model, "prompt": request.tokens, "max_tokens": sampling.max_tokens,
+        body = {"model": self.model, "prompt": request.token_list(), "max_tokens": sampling.max_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "ignore_eos": sampling.ignore_eos,
                 "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
         if sampling.stop_token_ids:

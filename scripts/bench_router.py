@@ -2,8 +2,9 @@
 
     python scripts/bench_router.py [--requests 300] [--tokens 8000] [--concurrency 32]
 
-1. Decisions/s: the real Router in-process (tokenize, hash, longest prefix over the
-   index, cost policy) for 8k- and 128k-token prompts with 8 registered workers.
+1. Decisions/s: the real Router in-process (hash, longest prefix over the index, cost
+   policy) for 8k- and 128k-token prompts with 8 registered workers; tokenization is
+   timed in its own column.
 2. Added latency: one client, keep-alive connections, the same 8k-token completion
    (1 output token) sent in turn to: a null worker directly (scripts/null_worker.py:
    the real worker protocol, instant replies), our router in front of it, and
@@ -84,7 +85,14 @@ def _text(num_tokens: int, seed: int) -> str:
     return bytes(rng.integers(32, 127, num_tokens, dtype=np.uint8)).decode()
 
 
-def decisions_per_second(num_tokens: int, num_workers: int, seconds: float = 3.0) -> tuple[float, float]:
+def decisions_per_second(num_tokens: int, num_workers: int, seconds: float = 3.0) -> tuple[float, float, float]:
+    """(decisions per wall second, per CPU second of this thread, tokenization seconds per prompt), 16 prompts in turn.
+
+    A decision is what the issue defines: hash the blocks, longest prefix over the index,
+    cost policy over the workers (Router.prepare on ids already made, then Router.decide).
+    Tokenization is timed on its own, over the same prompts. The CPU-second rate leaves out
+    the time other processes of a shared machine hold the core (not their cache traffic).
+    """
     namespace = Namespace("tiny", block_size=16)
     workers = {f"w{i}": NodeRecord(f"w{i}", f"http://127.0.0.1:{9000 + i}", "tcp://127.0.0.1:1", 16, 1024, "tiny")
                for i in range(num_workers)}
@@ -97,12 +105,16 @@ def decisions_per_second(num_tokens: int, num_workers: int, seconds: float = 3.0
     config = RouterConfig(model="tiny", namespace=namespace, max_context=10**6, vocab_size=259)
     router = Router(config, load_tokenizer(""), _StaticView(workers, index), WorkerClient(), CostModel(), rng=random.Random(0))
     bodies = [CompletionBody(model="tiny", prompt=p, max_tokens=1) for p in prompts]
-    count, start = 0, time.perf_counter()
+    ids = [router.tokenize(body) for body in bodies]  # once to warm up, then timed
+    start = time.perf_counter()
+    ids = [router.tokenize(body) for body in bodies for _ in range(4)][::4]
+    tokenize_s = (time.perf_counter() - start) / (4 * len(bodies))
+    count, start, cpu_start = 0, time.perf_counter(), time.thread_time()
     while time.perf_counter() - start < seconds:
-        router.decide(router.prepare(bodies[count % len(bodies)]))
+        i = count % len(bodies)
+        router.decide(router.prepare(bodies[i], ids[i]))
         count += 1
-    elapsed = time.perf_counter() - start
-    return count / elapsed, elapsed / count
+    return count / (time.perf_counter() - start), count / (time.thread_time() - cpu_start), tokenize_s
 
 
 class Stack:
@@ -160,6 +172,13 @@ class Stack:
         self.etcd.close()
         shutil.rmtree(self.log_dir, ignore_errors=True)
 
+    def pids(self) -> dict[str, int]:
+        """The process behind each latency target: the null worker for the direct path."""
+        found = {"direct (null worker)": self.worker.pid, "prefixpool router": self.router.pid}
+        if self.sglang is not None:
+            found["sglang-router 0.3.2 (cache_aware)"] = self.sglang.pid
+        return found
+
     def targets(self, processes: bool = False) -> dict[str, str]:
         found = {"direct (null worker)": self.worker.url, "prefixpool router": self.router.url}
         if processes:
@@ -190,6 +209,20 @@ def _post_ok(url: str, body: bytes) -> bool:
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as reply:
         return reply.status == 200
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (/proc/<pid>/stat, clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_request(pids: dict[str, int], run, num_served: dict[str, int]) -> dict[str, float]:
+    """CPU seconds each process spent per request it served while `run()` ran: load-independent,
+    unlike latency on a shared machine (the null worker serves every path's requests)."""
+    before = {name: _cpu_s(pid) for name, pid in pids.items()}
+    run()
+    return {name: (_cpu_s(pid) - before[name]) / num_served[name] for name, pid in pids.items()}
 
 
 def added_latency(targets: dict[str, str], body: bytes, requests: int) -> dict[str, list[float]]:
@@ -269,27 +302,31 @@ def main() -> None:
     parser.add_argument("--demo", action="store_true", help="also run the demo twice (fetch while queued on / off)")
     args = parser.parse_args()
 
-    print(f"\n### Routing decisions, {args.workers} workers (in-process: tokenize, hash, longest prefix, cost policy)\n")
-    print("| prompt tokens | decisions/s | per decision |")
-    print("|---:|---:|---:|")
+    print(f"\n### Routing decisions, {args.workers} workers (in-process: hash, longest prefix, cost policy; "
+          f"tokenization on its own)\n")
+    print("| prompt tokens | decisions/s | per decision | decisions per CPU second | tokenize (byte tokenizer) |")
+    print("|---:|---:|---:|---:|---:|")
     for num_tokens in (args.tokens, 128_000):
-        rate, per = decisions_per_second(num_tokens, args.workers)
-        print(f"| {num_tokens:,} | {rate:,.0f} | {per * 1e3:.3f} ms |", flush=True)
+        rate, cpu_rate, tokenize_s = decisions_per_second(num_tokens, args.workers)
+        print(f"| {num_tokens:,} | {rate:,.0f} | {1e3 / rate:.3f} ms | {cpu_rate:,.0f} | {tokenize_s * 1e3:.3f} ms |",
+              flush=True)
 
     body = json.dumps({"model": "tiny", "prompt": _text(args.tokens, 99), "max_tokens": 1, "temperature": 0}).encode()
     stack = Stack().start()
     try:
-        times = added_latency(stack.targets(), body, args.requests)
+        targets, times = stack.targets(), {}
+        served = {name: args.requests + 20 for name in targets} | {"direct (null worker)": len(targets) * (args.requests + 20)}
+        cpu = cpu_per_request(stack.pids(), lambda: times.update(added_latency(targets, body, args.requests)), served)
         rates = throughput(stack.targets(processes=True), body, args.concurrency, args.throughput_requests)
     finally:
         stack.stop()
     direct = times["direct (null worker)"]
     print(f"\n### Added latency, {args.tokens:,}-token prompt, 1 output token, {args.requests} sequential requests each "
           f"(targets in turn, keep-alive)\n")
-    print("| path | p50 ms | p99 ms | added p50 ms | added p99 ms |")
-    print("|---|---:|---:|---:|---:|")
+    print("| path | p50 ms | p99 ms | added p50 ms | added p99 ms | CPU per request ms (its process) |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, values in times.items():
-        print(_row(name, values, direct))
+        print(f"{_row(name, values, direct)} {cpu[name] * 1e3:.3f} |")
     print(f"\n### Throughput, {args.tokens:,}-token prompt, {args.concurrency} concurrent clients (one asyncio process), "
           f"{args.throughput_requests} requests each\n")
     print("| path | requests/s |")

@@ -34,7 +34,7 @@ def _usage(num_prompt: int) -> Usage:
 
 async def generate(request: web.Request) -> web.Response:
     body = decode_request(await request.read(), request.content_type)
-    events = encode_event(Token(65)) + encode_event(Done("length", _usage(len(body.tokens))))
+    events = encode_event(Token(65)) + encode_event(Done("length", _usage(body.num_tokens)))
     return web.Response(body=events, content_type="application/x-ndjson")
 
 

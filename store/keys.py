@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Iterable, NewType, Sequence
 
 import numpy as np
@@ -58,14 +59,20 @@ class Namespace:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
     def root(self) -> BlockKey:
+        return self._root
+
+    @cached_property
+    def _root(self) -> BlockKey:  # once per namespace: every routing decision compares against it
         return BlockKey(_digest(self.encode()))
 
     def with_salt(self, cache_salt: str) -> "Namespace":
         return Namespace(**{**asdict(self), "cache_salt": cache_salt})
 
 
-def pack_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
-    """All tokens as little-endian int32 in one bulk conversion."""
+def pack_tokens(tokens: Sequence[int] | np.ndarray | bytes) -> bytes:
+    """All tokens as little-endian int32 in one bulk conversion (bytes are taken as packed already)."""
+    if isinstance(tokens, bytes):
+        return tokens
     if isinstance(tokens, np.ndarray):
         if tokens.dtype == _INT32:
             return tokens.tobytes()
@@ -78,7 +85,7 @@ def pack_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
         raise ValueError("token ids must fit in int32") from err
 
 
-def chain(tokens: Sequence[int] | np.ndarray, namespace: Namespace) -> list[BlockKey]:
+def chain(tokens: Sequence[int] | np.ndarray | bytes, namespace: Namespace) -> list[BlockKey]:
     """Keys of every full block of `tokens`, chained from the namespace root."""
     return chain_from(namespace.root(), pack_tokens(tokens), namespace.block_size)
 

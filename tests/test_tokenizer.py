@@ -3,9 +3,10 @@
 import json
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from router.contract.tokenizer import BYTE_EOS, ByteTokenizer, FileTokenizer, TokenizerError, load_tokenizer
+from store.keys import TOKEN_DTYPE
 
 
 def test_bytes_round_trip_and_specials_decode_to_nothing():
@@ -52,3 +53,19 @@ def test_missing_and_unreadable_paths(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="cannot read tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def test_a_bpe_tokenizer_gives_the_ids_of_the_library_plain_encode(tmp_path):
+    """encode skips offsets (the batch fast path); the ids and the int32 array are those of a plain encode."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["the cache holds the prefix", "héllo wörld, 世界 ✓", "prefix caches route by the longest prefix"]
+    bpe.train_from_iterator(corpus * 4, trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(tmp_path)
+    for text in [*corpus, "", "  spaces\tand\nlines  ", "unseen wörds </s> and specials" * 20]:
+        want = bpe.encode(text, add_special_tokens=False).ids
+        assert tokenizer.encode(text) == want
+        assert tokenizer.encode_array(text).tolist() == want and tokenizer.encode_array(text).dtype == TOKEN_DTYPE

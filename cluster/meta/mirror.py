@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import msgspec
 
@@ -86,7 +86,7 @@ class Mirror:
         """(requests, queued prefill tokens) that routers other than `exclude` have in flight on `worker`."""
         return self.fleet.share(worker, exclude)
 
-    def lower_tiers(self, node_id: str, keys: Sequence[BlockKey]) -> dict[str, int]:
+    def lower_tiers(self, node_id: str, keys: Iterable[BlockKey]) -> dict[str, int]:
         return self.index.lower_tiers(node_id, keys)
 
     async def wait_revision(self, revision: int, timeout_s: float = 10.0) -> None:

@@ -117,7 +117,7 @@ class Worker:
         if not overlap:
             self._prepare_blocks(keys, stream)
         try:
-            request_id = self.engine.submit(request.tokens, request.sampling, keys=keys, deferred=overlap)
+            request_id = self.engine.submit(request.token_list(), request.sampling, keys=keys, deferred=overlap)
         except ValueError as err:  # bad sampling values, or a request that can never fit this worker
             self._release_holds(stream)
             yield Failed(str(err), 400)

@@ -97,7 +97,9 @@ class FileTokenizer:
         return None
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        # the batch "fast" path skips character offsets, which nothing here reads (the same ids;
+        # measured 40 vs 53 ms for 19.5k tokens of the tiny checkpoint's BPE tokenizer)
+        return self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.array(self.encode(text), dtype=TOKEN_DTYPE)

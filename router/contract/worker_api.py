@@ -1,8 +1,9 @@
 """The router <-> worker wire format: one module both sides import.
 
     POST {worker}/generate  GenerateRequest: msgpack (Content-Type application/msgpack, what routers
-                            send: a token id below 128 is one byte, no text formatting of numbers)
-                            or JSON (anything else: operators, tests, curl)
+                            send, with the prompt as one bin of little-endian int32 ids: the array
+                            the router hashed, neither side converts a token at a time)
+                            or JSON (anything else: operators, tests, curl; a list of ids)
       <- NDJSON stream: Token, Token, ..., then exactly one Done or Failed
 
 The plan is a hint: the worker matches its own pool first and the peer
@@ -13,6 +14,9 @@ error. Knows nothing of HTTP servers, engines or etcd.
 from __future__ import annotations
 
 import msgspec
+import numpy as np
+
+from store.keys import TOKEN_DTYPE
 
 AUTH_HEADER = "X-Prefixpool-Token"
 
@@ -52,10 +56,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
-    tokens: list[int]
+    tokens: list[int] | bytes  # prompt ids: a list, or packed little-endian int32 (bytes)
     sampling: SamplingParams
     cache_salt: str = ""
     fetch: FetchPlan | None = None
+
+    def __post_init__(self) -> None:  # decoding runs it too: a ragged packing is a DecodeError there
+        if isinstance(self.tokens, bytes) and len(self.tokens) % TOKEN_DTYPE.itemsize:
+            raise ValueError(f"packed tokens are {TOKEN_DTYPE.itemsize}-byte ids, got {len(self.tokens)} bytes")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_DTYPE.itemsize if isinstance(self.tokens, bytes) else len(self.tokens)
+
+    def token_list(self) -> list[int]:
+        """The prompt ids as a list, whichever form they came in."""
+        if isinstance(self.tokens, bytes):
+            return np.frombuffer(self.tokens, dtype=TOKEN_DTYPE).tolist()
+        return self.tokens
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
