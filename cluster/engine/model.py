@@ -110,7 +110,9 @@ class Transformer(nn.Module):
         """Run packed `tokens` through every layer; return fp32 logits of `logit_rows` only."""
         x = self.embed_tokens(tokens)
         rope = self.rotary.cos_sin(positions, x.dtype)
-        masks = {window: layout.mask(window) for window in {self.config.window(i) for i in range(len(self.layers))}}
+        groups = self.config.num_heads // self.config.num_kv_heads
+        windows = {self.config.window(i) for i in range(len(self.layers))}
+        masks = {window: layout.mask(window, groups, x.dtype) for window in windows}
         for layer in self.layers:
             x = layer(x, rope, layout, masks, kv)
         return self.lm_head(self.norm(x[logit_rows])).float()
