@@ -3,13 +3,15 @@
     spans (one per request)     A: positions 40..41 (decode)   B: positions 0..70 (prefill)
     query tiles (<= tile rows)  [A 40]  [B 0..31]  [B 32..63]  [B 64..69 + padding]
     block tables, one per tile  A's blocks, B's, B's, B's      padded to the longest, never read past a tile's mask
-    mask [tiles, 1, tile, keys] key position <= query position (and > query - window on sliding layers)
-    one SDPA call               [tiles, heads, tile, dim] x [tiles, kv_heads, keys, dim] -> rows back in packed order
+    mask [tiles, 1, tile * groups, keys]   key position <= query position (and > query - window on sliding layers)
+    one SDPA call               [tiles, kv_heads, tile * groups, dim] x [tiles, kv_heads, keys, dim]
+                                (the `groups` query heads of a KV head as rows of it) -> rows back in packed order
 
 A step's queries are cut into tiles so that a decode row does not pay for a
 prefill chunk's length: a tile holds up to `tile` rows of one request. With
 one request, or only short spans, each request is one tile; a single tile
-that starts at position 0 uses SDPA's own causal mask (as before batching).
+that starts at position 0 uses SDPA's own causal mask (as before batching),
+over K,V repeated for every query head, since is_causal needs row = position.
 Padding rows repeat a real row and are dropped after the call; padded keys
 are masked. K,V of the step's new positions are written into the arena before
 the call, so a request attends to itself. Knows nothing of pools, keys,
@@ -59,7 +61,8 @@ class PagedLayout:
         Each query row is repeated for the `groups` query heads that share a KV head
         (the row layout `attend` uses). Built once per step, in the model's dtype:
         SDPA converts a boolean mask on every call, which tripled the time of a
-        cached 128-token chunk's attention over 2k keys (measured).
+        cached 128-token chunk's attention over 2k keys (measured). Its size, tile * groups
+        per tile and key, stays below the 2 * kv_heads * head_dim of the K,V gathered for it.
         """
         if self.causal and (window is None or window >= self.num_keys):
             return None
