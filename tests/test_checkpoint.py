@@ -104,3 +104,14 @@ def test_bad_geometry_and_unknown_presets_are_config_errors():
         preset("huge")
     with pytest.raises(ConfigError, match="not a multiple"):
         replace(preset("tiny"), num_kv_heads=3)
+
+
+def test_the_vocab_projection_follows_a_change_of_the_lm_head_weight():
+    model = random_model(preset("tiny"), seed=4)
+    prompt = [5, 80, 13, 200, 7]
+    before = last_logits(model, prompt)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)                 # in place: the cached [hidden, vocab] copy must not survive
+    torch.testing.assert_close(last_logits(model, prompt), 2 * before)
+    model.to(torch.bfloat16)                         # a stale fp32 copy would fail against bf16 activations
+    torch.testing.assert_close(last_logits(model, prompt), 2 * before, rtol=0.05, atol=0.05)

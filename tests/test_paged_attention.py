@@ -53,7 +53,7 @@ def test_one_call_for_the_step_equals_request_by_request(window):
     assert layout.query_rows.shape[1] == QUERY_TILE          # a 73-row chunk beside decodes is cut into tiles
     assert layout.query_rows.shape[0] == 1 + 1 + 3 + 1 + 1 + 1
     store(layer_kv, layout, k, v)
-    out = attend(q, layer_kv, layout, layout.mask(window))
+    out = attend(q, layer_kv, layout, layout.mask(window, HEADS // KV_HEADS, q.dtype))
     for span in spans:
         torch.testing.assert_close(out[span.offset:span.offset + span.num_tokens],
                                    reference(q, layer_kv, span, window), rtol=1e-5, atol=1e-5)
@@ -64,9 +64,25 @@ def test_one_call_for_the_step_equals_request_by_request(window):
 
 
 def test_a_single_cold_prefill_uses_sdpa_causal_mask():
-    layout = build_layout([Span(0, 0, 37, 0, tuple(range(10)))], BLOCK, torch.device("cpu"))
-    assert layout.causal and layout.mask(None) is None
-    assert layout.mask(8) is not None                        # a window shorter than the prompt needs the mask
+    torch.manual_seed(2)
+    span = Span(0, 0, 37, 0, tuple(range(10)))
+    layout = build_layout([span], BLOCK, torch.device("cpu"))
+    assert layout.causal and layout.mask(None, 2, torch.float32) is None
+    assert layout.mask(8, 2, torch.float32) is not None      # a window shorter than the prompt needs the mask
+    layer_kv = torch.randn(NUM_BLOCKS, 2, BLOCK, KV_HEADS, DIM)
+    q, k, v = torch.randn(37, HEADS, DIM), torch.randn(37, KV_HEADS, DIM), torch.randn(37, KV_HEADS, DIM)
+    store(layer_kv, layout, k, v)
+    torch.testing.assert_close(attend(q, layer_kv, layout, None), reference(q, layer_kv, span, None),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_mask_repeats_each_query_row_for_the_heads_of_its_group():
+    layout = build_layout([Span(0, 5, 7, 5, (0, 1)), Span(2, 2, 3, 2, (2,))], BLOCK, torch.device("cpu"))
+    mask = layout.mask(None, 3, torch.float32)               # [tiles, 1, tile * groups, keys]
+    assert mask.shape == (2, 1, 2 * 3, 7)
+    visible = (mask[:, 0] == 0).sum(-1).tolist()             # keys each row sees: position + 1
+    assert visible == [[6, 6, 6, 7, 7, 7], [3, 3, 3, 3, 3, 3]]   # the short tile's padding row repeats position 2
+    assert set(mask.unique().tolist()) == {0.0, float("-inf")}
 
 
 def test_an_engine_step_makes_one_attention_call_per_layer():
