@@ -124,8 +124,9 @@ class Router:
 
     def prepare(self, body: CompletionBody | ChatBody | RouteBody) -> Prepared:
         if body.model != self.model:
-            raise ModelNotFound(f"model {body.model!r} does not exist; this router serves {self.model!r}",
-                                param="model", code="model_not_found")
+            raise ModelNotFound(f"model {body.model!r} does not exist; this router serves {self.model!r} "
+                                "(LoRA adapters, named like models, are not routed: their KV differs from the "
+                                "base model's, so its cache index cannot hold them)", param="model", code="model_not_found")
         ids = self._ids_of(body)
         max_tokens = requested_tokens(body, self.config.default_max_tokens)
         if len(ids) + max_tokens > self.config.max_context:
