@@ -40,7 +40,7 @@ def test_a_vllm_actor_serves_through_the_router_and_ray_down_leaves_nothing(mode
     ray.init(num_cpus=4, include_dashboard=False, namespace=ray_deploy.NAMESPACE, log_to_driver=False)
     removed: list[str] = []
     try:
-        config = VllmConfig(str(model_dir), MODEL, BLOCK, num_blocks=64, memory_fraction=0.05)
+        config = VllmConfig(str(model_dir), MODEL, BLOCK, num_blocks=160, memory_fraction=0.1)
         deployed = ray_deploy.up(0, router_port=0, etcd_port=free_port(), vllm=config, num_vllm=1,
                                  env={"PREFIXPOOL_LEASE_TTL_S": "3"})
         assert deployed.vllm_names == ("vllm-0",)

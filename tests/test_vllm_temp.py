@@ -9,9 +9,11 @@ starts slowly on 2 shared cores): one stops its server, one is SIGKILLed.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from pathlib import Path
 from cluster.deploy.vllm_fleet import vllm_temp_dir
 from cluster.vllm.server import VllmConfig, VllmServer
 model, run_dir = sys.argv[1:3]
-server = VllmServer.start(VllmConfig(model, "tiny-vllm", num_blocks=64, memory_fraction=0.05), Path(run_dir), "v",
+server = VllmServer.start(VllmConfig(model, "tiny-vllm", num_blocks=160, memory_fraction=0.1), Path(run_dir), "v",
                           temp=vllm_temp_dir())
 print(server.pid, flush=True)
 sys.stdin.readline()
@@ -34,8 +36,8 @@ print("stopped", flush=True)
 
 
 def start_owner(model_dir: Path, tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path]:
-    root = tmp_path / f"{name}-root"  # the owner's whole temp root: it must end empty
-    root.mkdir()
+    # The owner's whole temp root, which must end empty; short: vLLM's ipc socket paths in it must fit in 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix=f"ppt-{name}-", dir="/tmp"))
     env = {**os.environ, "TMPDIR": str(root), "PYTHONPATH": str(REPO)}
     owner = subprocess.Popen([sys.executable, "-c", OWNER, str(model_dir), str(tmp_path / f"{name}-run")], env=env,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -83,7 +85,8 @@ def test_a_stopped_or_orphaned_vllm_server_leaves_nothing_in_the_temp_root(model
         assert wait_until(lambda: not alive(pids["killed"]) and not any(killed_root.iterdir())), \
             list(killed_root.rglob("*"))
     finally:
-        for owner, _ in owners.values():
+        for owner, root in owners.values():
             if owner.poll() is None:
                 owner.kill()
                 owner.wait()
+            shutil.rmtree(root, ignore_errors=True)

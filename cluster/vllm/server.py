@@ -13,7 +13,8 @@ so nothing listens on a network address. vLLM comes from its own venv
 What vLLM writes to the temp dir (`vllm_dist_<hex>` files, uuid-named ZMQ ipc
 sockets; it reads TMPDIR and VLLM_RPC_BASE_PATH) goes to the `temp` dir the
 caller hands over (cluster.deploy.janitor's, which also goes when the caller
-is SIGKILLed); stop() and kill() close it.
+is SIGKILLed, and then SIGKILLs vLLM's process group: the engine core outlives
+a killed API server); stop() and kill() close it.
 Knows nothing of etcd or the router.
 """
 
@@ -39,6 +40,7 @@ TOPIC = "kv"
 class TempDir(Protocol):  # cluster.deploy.janitor.OwnedTempDir
     path: Path
 
+    def kill_group_if_orphaned(self, pgid: int) -> None: ...
     def close(self) -> None: ...
 
 
@@ -119,6 +121,8 @@ class VllmServer:
         with open(log_path, "wb") as log:
             process = subprocess.Popen(argv(config, port, events, replay), stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, env=env, preexec_fn=_own_group_dying_with_parent)
+        if temp is not None:
+            temp.kill_group_if_orphaned(process.pid)  # its own group: setsid in the child
         return cls(process, f"http://127.0.0.1:{port}", events, replay, log_path, temp)
 
     @property
