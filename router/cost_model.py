@@ -5,6 +5,8 @@
     transfer_s = setup + blocks x block_bytes / link bandwidth
     tier read  = blocks x block_bytes / tier bandwidth   (host or SSD hit, between a
                  device hit, which is free, and a recompute)
+    lost reuse = weight x prefill of the tokens the fleet holds but this worker would
+                 recompute (not a TTFT: the work every later request on that node waits behind)
 
 Numbers come from a named profile or from the workers' measured prefill
 speed. Knows nothing of nodes, HTTP or etcd.
@@ -31,10 +33,15 @@ class CostModel:
     transfer_setup_s: float = 0.001
     host_read_bytes_per_s: float = 20 * GB
     ssd_read_bytes_per_s: float = 3 * GB
+    # A held prefix recomputed elsewhere costs this request its prefill and, once more, every request
+    # that queues behind that work; the TTFT alone is myopic (it gives up affinity for a short queue).
+    lost_reuse_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.link_bytes_per_s <= 0:
             raise ValueError("speeds must be positive")
+        if self.lost_reuse_weight < 0:
+            raise ValueError("lost_reuse_weight must be >= 0")
 
     def prefill_s(self, computed_tokens: int, cached_tokens: int) -> float:
         linear = computed_tokens / self.prefill_tokens_per_s

@@ -3,6 +3,7 @@
     cost           min over workers of  queue wait + prefill of what it must compute
                                         + transfer of what it can fetch from a peer
                                         + reading its own host/SSD hits up to the device
+                                        + weight x prefill of a held prefix it would recompute
     cost_local     the same, never fetching (each node only reuses its own cache)
     least_load     fewest queued prefill tokens, then fewest running
     longest_prefix most locally matched blocks, load ignored (piles up on hot prefixes)
@@ -52,10 +53,15 @@ class Terms:
     prefill_s: float
     transfer_s: float
     tier_read_s: float = 0.0  # host/SSD hits promoted before prefill: between a device hit and a recompute
+    lost_reuse_s: float = 0.0  # priced, not waited: recomputing what another node holds (CostModel)
 
     @property
     def ttft_s(self) -> float:
         return self.queue_s + self.prefill_s + self.transfer_s + self.tier_read_s
+
+    @property
+    def cost_s(self) -> float:
+        return self.ttft_s + self.lost_reuse_s
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,7 @@ class Plan:
             "local_blocks": self.local_blocks,
             "prefill_tokens": self.prefill_tokens,
             "predicted_ttft_s": self.predicted_ttft_s,
-            "candidates": [{**asdict(t), "ttft_s": t.ttft_s} for t in self.candidates],
+            "candidates": [{**asdict(t), "ttft_s": t.ttft_s, "cost_s": t.cost_s} for t in self.candidates],
         }
 
 
@@ -99,15 +105,19 @@ def terms_for(worker: str, request: RouteRequest, matches: dict[str, int], loads
     lower = request.lower_tier_blocks.get(worker)
     read_s = sum(costs.tier_read_s(tier, blocks) for tier, blocks in lower.items()) if lower else 0.0
     prefill_s = _prefill_s(request, local, costs)
+    held_s = _prefill_s(request, max(matches.values(), default=0), costs)  # reusing all the fleet holds
+    lost_s = costs.lost_reuse_weight * (prefill_s - held_s)
     movable = request.transfer_nodes  # None: every node can send and receive blocks
     if allow_fetch and (movable is None or worker in movable):
         blocks, peer = max(((b, n) for n, b in matches.items()
                             if n != worker and b > local and (movable is None or n in movable)), default=(0, None))
         if peer is not None:
             fetch_prefill_s, transfer_s = _prefill_s(request, blocks, costs), costs.transfer_s(blocks - local)
-            if fetch_prefill_s + transfer_s < prefill_s:
-                return Terms(worker, local, peer, blocks - local, queue_s, fetch_prefill_s, transfer_s, read_s)
-    return Terms(worker, local, None, 0, queue_s, prefill_s, 0.0, read_s)
+            fetch_lost_s = costs.lost_reuse_weight * (fetch_prefill_s - held_s)
+            if fetch_prefill_s + transfer_s + fetch_lost_s < prefill_s + lost_s:
+                return Terms(worker, local, peer, blocks - local, queue_s, fetch_prefill_s, transfer_s, read_s,
+                             fetch_lost_s)
+    return Terms(worker, local, None, 0, queue_s, prefill_s, 0.0, read_s, lost_s)
 
 
 def _prefill_s(request: RouteRequest, blocks: int, costs: CostModel) -> float:
@@ -127,7 +137,7 @@ def plan_of(request: RouteRequest, chosen: Terms, candidates: tuple[Terms, ...],
 def _by_cost(allow_fetch: bool):
     def choose(request, matches, loads, costs, rng) -> Plan:
         candidates = tuple(terms_for(w, request, matches, loads, costs, allow_fetch) for w in sorted(loads))
-        best = min(candidates, key=lambda t: (t.ttft_s, -t.local_blocks, t.worker))
+        best = min(candidates, key=lambda t: (t.cost_s, -t.local_blocks, t.worker))
         return plan_of(request, best, candidates, costs)
     return choose
 

@@ -127,8 +127,9 @@ class Router:
     def prepare(self, body: CompletionBody | ChatBody | RouteBody, ids: np.ndarray | None = None) -> Prepared:
         """A checked, hashed request; `ids` are its tokenize(body) when the caller already has them."""
         if body.model != self.model:
-            raise ModelNotFound(f"model {body.model!r} does not exist; this router serves {self.model!r}",
-                                param="model", code="model_not_found")
+            raise ModelNotFound(f"model {body.model!r} does not exist; this router serves {self.model!r} "
+                                "(LoRA adapters, named like models, are not routed: their KV differs from the "
+                                "base model's, so its cache index cannot hold them)", param="model", code="model_not_found")
         if ids is None:
             ids = self.tokenize(body)
         max_tokens = requested_tokens(body, self.config.default_max_tokens)

@@ -1,6 +1,6 @@
 """Replay a slice of the Mooncake conversation trace against 2 real vLLM servers through our router.
 
-    python scripts/bench_vllm.py --limit 400 --speedup 10 [--out benchmarks/vllm.md]
+    python scripts/bench_vllm.py --limit 600 --speedup 1.5 --repeat 2 [--out FILE]
 
 One fleet (etcd, 2 vLLM servers with KV events, their sidecars) and one router
 per policy (cost, least_load, round_robin) in front of it. Before each policy
@@ -8,7 +8,10 @@ both vLLM prefix caches are reset (vLLM's /reset_prefix_cache; its
 AllBlocksCleared event empties the index), then the same slice is replayed
 live (cluster/replay/live.py): every trace block is one 32-token vLLM block,
 hit rate = vLLM's reported cached tokens / prompt tokens, TTFT at the client.
-Prints one side-by-side table; --out also writes it with the command.
+--repeat R runs the policies in turn R times (cost, least_load, round_robin,
+cost, ...), so a slow spell on the shared machine falls on all of them; the
+ratio line pools every round. Prints one side-by-side table; --out also writes
+it with the command.
 """
 
 from __future__ import annotations
@@ -58,13 +61,37 @@ async def _wait_index_empty(endpoint: str, timeout_s: float = 60.0) -> None:
     await etcd.close()
 
 
-def row(policy: str, results: list[LiveResult]) -> tuple[str, float]:
+def row(label: str, results: list[LiveResult]) -> tuple[str, int, int]:
     ok = [r for r in results if r.error is None]
     ttft = np.array([r.ttft_s for r in ok]) * 1e3 if ok else np.zeros(1)
     prompt, cached = sum(r.prompt_tokens for r in ok), sum(r.cached_tokens for r in ok)
-    hit = cached / max(prompt, 1)
-    return (f"| {policy} | {len(results)} | {len(results) - len(ok)} | {cached:,} / {prompt:,} | {hit:.3f} | "
-            f"{np.quantile(ttft, .5):.1f} | {np.quantile(ttft, .9):.1f} | {ttft.mean():.1f} |"), hit
+    return (f"| {label} | {len(results)} | {len(results) - len(ok)} | {cached:,} / {prompt:,} | "
+            f"{cached / max(prompt, 1):.3f} | {np.quantile(ttft, .5):.1f} | {np.quantile(ttft, .9):.1f} | "
+            f"{ttft.mean():.1f} | {os.getloadavg()[0]:.2f} |"), cached, prompt
+
+
+def ratios(tokens: dict[str, list[tuple[int, int]]]) -> str:
+    """Hit-rate ratios pooled over every round, and each round's cost / round_robin."""
+    hit = {p: sum(c for c, _ in runs) / max(sum(n for _, n in runs), 1) for p, runs in tokens.items()}
+    per_round = [c / n / max(rc / rn, 1e-9) for (c, n), (rc, rn) in zip(tokens["cost"], tokens["round_robin"])]
+    return (f"cost / round_robin hit rate: {hit['cost'] / max(hit['round_robin'], 1e-9):.2f}x pooled "
+            f"(rounds: {', '.join(f'{r:.2f}x' for r in per_round)}); "
+            f"cost / least_load: {hit['cost'] / max(hit['least_load'], 1e-9):.2f}x pooled")
+
+
+def replay_rounds(cluster: LocalCluster, routers: dict, records: list, args) -> tuple[list[str], dict]:
+    lines, tokens = [], {p: [] for p in POLICIES}
+    for round_no in range(1, args.repeat + 1):
+        for policy in POLICIES:
+            reset_caches(cluster)
+            live = LiveConfig(routers[policy].url, MODEL, BLOCK, args.speedup, args.concurrency,
+                              args.max_output, vocab_size=256, timeout_s=300)
+            label = policy if args.repeat == 1 else f"{policy} (round {round_no})"
+            line, cached, prompt = row(label, asyncio.run(replay_live(records, live)))
+            tokens[policy].append((cached, prompt))
+            lines.append(line)
+            print(line, flush=True)
+    return lines, tokens
 
 
 def main() -> None:
@@ -73,6 +100,7 @@ def main() -> None:
     parser.add_argument("--speedup", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-output", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of the three policies, in turn")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     records = load_trace("conversation", args.limit)
@@ -87,14 +115,7 @@ def main() -> None:
                                                            *cluster._model(), "--policy", p), cluster.log_dir)
                        for p in POLICIES}
             try:
-                lines, hits = [], {}
-                for policy in POLICIES:
-                    reset_caches(cluster)
-                    live = LiveConfig(routers[policy].url, MODEL, BLOCK, args.speedup, args.concurrency,
-                                      args.max_output, vocab_size=256, timeout_s=300)
-                    line, hits[policy] = row(policy, asyncio.run(replay_live(records, live)))
-                    lines.append(line)
-                    print(line, flush=True)
+                lines, tokens = replay_rounds(cluster, routers, records, args)
             finally:
                 for child in routers.values():
                     child.stop()
@@ -103,10 +124,9 @@ def main() -> None:
         f"Llama, {BLOCK}-token blocks = one trace block), arrivals {args.speedup:g}x faster, at most "
         f"{args.concurrency} in flight, {args.max_output} output tokens. Hit-rate bound (infinite cache, one "
         f"node): {hit_rate_bound(records):.3f}.", "",
-        "| policy | requests | errors | cached / prompt tokens | hit rate | TTFT p50 ms | p90 ms | mean ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|", *lines, "",
-        f"cost / round_robin hit rate: {hits['cost'] / max(hits['round_robin'], 1e-9):.2f}x; "
-        f"cost / least_load: {hits['cost'] / max(hits['least_load'], 1e-9):.2f}x",
+        "| policy | requests | errors | cached / prompt tokens | hit rate | TTFT p50 ms | p90 ms | mean ms | load 1m |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *lines, "",
+        ratios(tokens), f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
     ])
     print(report)
     if args.out:

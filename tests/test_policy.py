@@ -92,3 +92,31 @@ def test_every_plan_is_consistent(matches, queued, name):
         assert plan.fetch_from != plan.worker and matches[plan.fetch_from] >= plan.fetch_end
     assert 1 <= plan.prefill_tokens <= REQ.num_prompt_tokens
     assert {t.worker for t in plan.candidates} == set(loads)
+
+
+VLLM_LIKE = RouteRequest(num_prompt_tokens=1600, num_blocks=100, transfer_nodes=frozenset())  # nobody fetches
+
+
+def test_cost_keeps_a_held_prefix_against_a_short_queue_but_not_a_long_one():
+    """The holder's queue (1000 tokens) is shorter than the prefix another node would recompute
+    twice over (its TTFT, then the work later requests wait behind); a 5000-token queue is not."""
+    myopic = CostModel(block_size=16, block_bytes=16 * 1024, prefill_tokens_per_s=1000.0, lost_reuse_weight=0.0)
+    short = {"a": NodeLoad(), "b": NodeLoad(queued_prefill_tokens=1000)}
+    assert choose("cost", {"b": 50}, short, VLLM_LIKE, myopic).worker == "a"  # 800 cached < 1000 queued
+    plan = choose("cost", {"b": 50}, short, VLLM_LIKE)
+    assert plan.worker == "b" and plan.local_blocks == 50
+    a = next(t for t in plan.candidates if t.worker == "a")
+    assert a.lost_reuse_s == pytest.approx(2.0 * 0.8) and a.cost_s > a.ttft_s
+    assert plan.predicted_ttft_s == pytest.approx(next(t for t in plan.candidates if t.worker == "b").ttft_s)
+    long = {"a": NodeLoad(), "b": NodeLoad(queued_prefill_tokens=5000)}
+    assert choose("cost", {"b": 50}, long, VLLM_LIKE).worker == "a"
+
+
+def test_lost_reuse_is_zero_for_a_cold_prompt_and_for_a_full_fetch():
+    cold = choose("cost", {}, IDLE)
+    assert all(t.lost_reuse_s == 0 for t in cold.candidates)
+    plan = choose("cost", {"b": 90}, {**IDLE, "b": NodeLoad(queued_prefill_tokens=20_000)})
+    chosen = next(t for t in plan.candidates if t.worker == plan.worker)
+    assert plan.fetch_end == 90 and chosen.lost_reuse_s == pytest.approx(0.0)
+    with pytest.raises(ValueError):
+        CostModel(lost_reuse_weight=-1.0)

@@ -198,6 +198,8 @@ def test_bad_input_through_the_router_is_a_4xx_with_a_message(fleet):
     status, body = post(url, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 99999]})
     assert status == 400 and "vocabulary" in body["error"]["message"]
     assert post(url, "/v1/chat/completions", {"model": MODEL, "messages": []})[0] == 422
+    status, body = post(url, "/v1/completions", {"model": "sql-lora", "prompt": "hello", "max_tokens": 2})
+    assert status == 404 and "LoRA adapters" in body["error"]["message"]  # an adapter's name: refused, and why
 
 
 def test_a_router_of_another_namespace_refuses_clearly(fleet):
@@ -215,6 +217,44 @@ def test_a_sidecar_told_another_model_refuses_to_register(fleet):
     assert done.returncode != 0 and "--served-model-name not-this-one" in done.stderr
     _, kvs = etcdctl_get_prefix(fleet.etcd, Layout("mismatch").prefix.decode())
     assert kvs == {}
+
+
+def requests_seen(url: str, node: str) -> int:
+    return route(url, "load probe")["loads"][node]["requests"]
+
+
+def test_load_sent_to_vllm_directly_reaches_every_router_through_the_sidecar(fleet):
+    """No router sent this request: both routers learn of it from vLLM's /metrics, via the node's record."""
+    server = fleet.vllm_servers["vllm-1"]
+    routers = [fleet.router_url, fleet.extra_routers["rr"].url]
+    assert [requests_seen(url, "vllm-1") for url in routers] == [0, 0]
+    seen: list[list[int]] = []
+
+    def busy() -> None:  # long enough to be seen; a stream, so it can be cut once it has been
+        stream = client_for(server.url).completions.create(model=MODEL, prompt="Busy " + SHARED, max_tokens=1500,
+                                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        for _ in stream:
+            if seen:
+                break
+        stream.close()
+
+    thread = threading.Thread(target=busy)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not seen and time.monotonic() < deadline:
+        counts = [requests_seen(url, "vllm-1") for url in routers]
+        if all(counts):
+            seen.append(counts)
+        time.sleep(0.1)
+    seen.append([])  # lets the stream go even when the load was never seen
+    thread.join(120)
+    assert seen[0] == [1, 1], "the routers never saw vLLM's own count"
+    _, kvs = etcdctl_get_prefix(fleet.etcd, Layout("default").node_key("vllm-1").decode())
+    assert len(kvs) == 1  # the record that carries it
+    deadline = time.monotonic() + 60
+    while any(requests_seen(url, "vllm-1") for url in routers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [requests_seen(url, "vllm-1") for url in routers] == [0, 0]
 
 
 def test_etcd_keys_equal_what_vllm_reported_stored_minus_removed(fleet):

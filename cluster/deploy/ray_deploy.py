@@ -1,6 +1,7 @@
 """Deploying on a Ray cluster: etcd, one worker actor per GPU, and the router, as named actors.
 
     prefixpool ray up --workers N --address auto|HOST:PORT|ray://HOST:10001
+    prefixpool ray up --vllm N --model-path DIR      (vLLM actors: a vLLM server and its sidecar each)
     prefixpool ray down
 
 Each actor is a thin supervisor around the same process `prefixpool up` runs
@@ -28,6 +29,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.deploy.janitor import OwnedTempDir
 from cluster.deploy.processes import STOP_TIMEOUT_S, Child, python_argv, spawn
+from cluster.deploy.vllm_fleet import model_args, sidecar_args, vllm_temp_dir
+from cluster.vllm.server import VllmConfig, VllmServer
 
 NAMESPACE = "prefixpool"
 class ProcessActor:
@@ -61,12 +64,40 @@ class ProcessActor:
             shutil.rmtree(path, ignore_errors=True)
 
 
+class VllmActor(ProcessActor):
+    """A vLLM server (its own temp dir) and its vllm-node sidecar (the child), both dying with the actor."""
+
+    def __init__(self, name: str, config: VllmConfig, etcd_endpoints: str, env: dict[str, str]) -> None:
+        self.log_dir = OwnedTempDir(f"prefixpool-{name}-")
+        self.remove_on_stop = ()
+        self.server = VllmServer.start(config, self.log_dir.path, name, temp=vllm_temp_dir())
+        self.child = spawn(f"{name}-sidecar", python_argv(*sidecar_args(name, self.server, etcd_endpoints, config)),
+                           self.log_dir.path, env)
+
+    def vllm_url(self) -> str:
+        return self.server.url
+
+    def vllm_pid(self) -> int:
+        return self.server.pid
+
+    def vllm_temp_path(self) -> str:
+        assert self.server.temp is not None
+        return str(self.server.temp.path)
+
+    def stop(self) -> None:
+        """The sidecar first (it revokes its lease: the blocks leave etcd now), then vLLM and its temp dir."""
+        self.child.stop()
+        self.server.stop()
+        self.log_dir.close()
+
+
 @dataclass(frozen=True)
 class Deployment:
     router_url: str
     etcd_endpoints: str
     worker_names: list[str]
     worker_urls: list[str]
+    vllm_names: tuple[str, ...] = ()
 
 
 def _head_node_id() -> str:
@@ -89,12 +120,13 @@ def _worker_nodes(num_workers: int, num_gpus: float) -> list[str]:
     return [order[i % len(order)]["NodeID"] for i in range(num_workers)]
 
 
-def _actor(name: str, *, on_head: bool = False, num_gpus: float = 0, node_id: str | None = None):
+def _actor(name: str, *, on_head: bool = False, num_gpus: float = 0, node_id: str | None = None,
+           cls: type = ProcessActor):
     if on_head:
         strategy = NodeAffinitySchedulingStrategy(_head_node_id(), soft=False)
     else:
         strategy = NodeAffinitySchedulingStrategy(node_id, soft=False) if node_id else "SPREAD"
-    return ray.remote(ProcessActor).options(
+    return ray.remote(cls).options(
         name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, max_task_retries=-1,
         num_cpus=0, num_gpus=num_gpus, scheduling_strategy=strategy)
 
@@ -118,26 +150,33 @@ def _start_etcd(port: int, data_dir: str, env: dict[str, str]) -> str:
 
 def up(num_workers: int, *, etcd_endpoints: str = "", etcd_port: int = 2379, etcd_data_dir: str = "",
        router_port: int = 8000, router_host: str = "", worker_args: tuple[str, ...] = (),
-       router_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Deployment:
+       router_args: tuple[str, ...] = (), env: dict[str, str] | None = None, vllm: VllmConfig | None = None,
+       num_vllm: int = 0) -> Deployment:
     """Deploy on the Ray cluster `ray.init` connected to; returns where it serves.
 
     Workers get no address flags: with etcd on the head's node address each binds and
-    advertises its own node's address (cluster.deploy.addresses)."""
+    advertises its own node's address (cluster.deploy.addresses). vLLM actors (`num_vllm`,
+    serving `vllm`) are placed like workers; the router then hashes with their model."""
+    assert vllm is not None or not num_vllm, "num_vllm needs a VllmConfig"
     env = dict(env or {})
     if not etcd_endpoints:
         etcd_endpoints = _start_etcd(etcd_port, etcd_data_dir, env)
-    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= num_workers else 0
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= num_workers + num_vllm else 0
     names = [f"worker-{i}" for i in range(num_workers)]
+    vllm_names = [f"vllm-{i}" for i in range(num_vllm)]
+    nodes = _worker_nodes(num_workers + num_vllm, gpus)
     workers = [
         _actor(name, num_gpus=gpus, node_id=node_id).remote(
             name, ["worker", "--node-id", name, "--etcd-endpoints", etcd_endpoints, *worker_args], env)
-        for name, node_id in zip(names, _worker_nodes(num_workers, gpus))
+        for name, node_id in zip(names, nodes)
     ]
-    urls = ray.get([w.url.remote() for w in workers])
+    vllms = [_actor(name, num_gpus=gpus, node_id=node_id, cls=VllmActor).remote(name, vllm, etcd_endpoints, env)
+             for name, node_id in zip(vllm_names, nodes[num_workers:])]
+    urls = ray.get([w.url.remote() for w in [*workers, *vllms]])
     router = _actor("router", on_head=True).remote("router", [
         "router", "--etcd-endpoints", etcd_endpoints, *(["--host", router_host] if router_host else []),
-        "--port", str(router_port), *router_args], env)
-    return Deployment(ray.get(router.url.remote()), etcd_endpoints, names, urls)
+        "--port", str(router_port), *model_args(vllm), *router_args], env)
+    return Deployment(ray.get(router.url.remote()), etcd_endpoints, names, urls[:num_workers], tuple(vllm_names))
 
 
 def down() -> list[str]:

@@ -97,7 +97,7 @@ def build_router(settings: RouterSettings, view, client: WorkerClient) -> Router
     per_token = config.kv_bytes_per_token(torch_dtype(settings.dtype))
     costs = CostModel(block_size=settings.block_size, block_bytes=per_token * settings.block_size,
                       prefill_tokens_per_s=settings.prefill_tokens_per_s, link_bytes_per_s=settings.link_bytes_per_s,
-                      decode_step_s=settings.decode_step_s)
+                      decode_step_s=settings.decode_step_s, lost_reuse_weight=settings.lost_reuse_weight)
     router_config = RouterConfig(
         model=settings.model, namespace=cache_namespace(config, settings.dtype, settings.block_size),
         max_context=config.max_position, vocab_size=config.vocab_size, policy=settings.policy,

@@ -27,6 +27,8 @@ class RouterSettings(CommonSettings):
     prefill_tokens_per_s: float = setting(2000.0, "prefill speed assumed until workers report a measured one")
     decode_step_s: float = setting(0.01, "TTFT the cost model adds per request already running on a worker")
     link_bytes_per_s: float = setting(1e9, "bandwidth between workers assumed by the cost model")
+    lost_reuse_weight: float = setting(2.0, "cost policy: weight on recomputing a prefix another node holds, "
+                                       "beyond this request's TTFT (the work later requests queue behind)")
     processes: int = setting(1, "router processes serving one port (SO_REUSEPORT), each with its own etcd mirror")
     router_id: str = setting("", "this router's name in etcd (its load entry); empty: <hostname>-<pid>")
     lease_ttl_s: int = setting(10, "TTL of the router's etcd lease: a dead router's load entry vanishes after it")

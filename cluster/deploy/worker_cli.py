@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import sys
-import time
 
 import torch
 from aiohttp import web
@@ -30,6 +29,7 @@ from cluster.deploy.addresses import WILDCARDS, AddressError, advertise_host, bi
 from cluster.engine.scheduler import Engine
 from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
+from cluster.meta.load_report import Load, report_load
 from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
 from cluster.engine.model_config import arena_shape_for, resolve_device, torch_dtype
 from cluster.engine.model_source import MODEL_ERRORS, build_model, cache_namespace, tokenizer_for
@@ -136,7 +136,7 @@ async def serve(settings: WorkerSettings, host: str, advertise: str) -> None:
     await publisher.start()  # before membership: registering hands it the lease
     await membership.start()
     worker.start()
-    load_task = asyncio.create_task(_report_load(worker, membership))
+    load_task = asyncio.create_task(report_load(lambda: _sample_load(worker), membership))
     announce_ready(http_url)
     log.info("worker %s serving %s (transfer %s)", node_id, http_url, record.transfer_url)
     await _wait_for_signal()
@@ -159,16 +159,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _report_load(worker: Worker, membership: Membership, period_s: float = 0.05, refresh_s: float = 1.0) -> None:
-    """Re-put the load fields when the counts change (checked every 50 ms), else once a second."""
-    last, last_sent = None, 0.0
-    while True:
-        await asyncio.sleep(period_s)
-        load = worker.load()
-        counts = (load.num_queued, load.num_running)
-        if counts != last or time.monotonic() - last_sent > refresh_s:
-            membership.update_load(load.num_queued, load.num_running, load.prefill_tokens_per_s)
-            last, last_sent = counts, time.monotonic()
+async def _sample_load(worker: Worker) -> Load:
+    load = worker.load()
+    return Load(load.num_queued, load.num_running, load.prefill_tokens_per_s)
 
 
 async def _wait_for_signal() -> None:

@@ -5,6 +5,7 @@
                RESET (history lost, vLLM restarted) ─▶ every key removed, relearn from here
       health:  GET /health every period; `max_failures` misses in a row ─▶ revoke the lease
                (etcd drops the record and every block now), clear; vLLM back ─▶ register again
+      load:    GET /metrics (requests waiting, running) ─▶ the record's load fields, as our workers do
 
 If this sidecar dies, its lease expires and etcd drops the blocks by itself.
 Knows nothing of the router or of how vLLM is started.
@@ -20,10 +21,12 @@ import aiohttp
 
 from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
+from cluster.meta.load_report import report_load
 from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
 from cluster.meta.publisher import Publisher
 from cluster.vllm.event_stream import EventStream, Reset
 from cluster.vllm.ledger import Change, Ledger
+from cluster.vllm.metrics import sample_load
 from store.keys import Namespace
 from store.tier_names import DEVICE
 
@@ -36,6 +39,7 @@ class HealthConfig:
     period_s: float = 1.0
     max_failures: int = 3
     timeout_s: float = 2.0
+    load_period_s: float = 0.2  # how often vLLM's /metrics is read for the record's load
 
 
 class ModelMismatch(ValueError):
@@ -65,6 +69,8 @@ class VllmNode:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._follow_events())
                 group.create_task(self._follow_health())
+                group.create_task(report_load(lambda: sample_load(self._session, self.vllm_url), self.membership,
+                                              self.health.load_period_s))
         except BaseExceptionGroup as errors:
             raise errors.exceptions[0] from None  # the one that stopped the node, not the group
         finally:

