@@ -45,6 +45,7 @@ class VllmConfig:
     memory_fraction: float = 0.2  # on the CPU backend: of host memory
     num_blocks: int = 0  # 0: as many as the memory fraction allows
     python: str = str(DEFAULT_PYTHON)
+    kv_transfer_config: str = ""  # JSON for --kv-transfer-config (connector_config.kv_transfer_json); "" = none
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -64,7 +65,15 @@ def argv(config: VllmConfig, port: int, events: str, replay: str) -> list[str]:
             "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events)]
     if config.num_blocks:
         args += ["--num-gpu-blocks-override", str(config.num_blocks)]
+    if config.kv_transfer_config:
+        args += ["--kv-transfer-config", config.kv_transfer_config]
     return args + list(config.extra_args)
+
+
+def child_env() -> dict[str, str]:
+    """Our environment, with this checkout first on vLLM's path: the KV connector loads from it."""
+    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 def _own_group_dying_with_parent() -> None:
@@ -100,7 +109,8 @@ class VllmServer:
         log_path = run_dir / f"{name}.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(argv(config, port, events, replay), stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, preexec_fn=_own_group_dying_with_parent)
+                                       stdin=subprocess.DEVNULL, env=child_env(),
+                                       preexec_fn=_own_group_dying_with_parent)
         return cls(process, f"http://127.0.0.1:{port}", events, replay, log_path)
 
     @property
