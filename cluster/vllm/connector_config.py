@@ -46,7 +46,7 @@ class ConnectorConfig:
     lease_ttl_s: int = 10
     fetch_timeout_s: float = 5.0  # one peer fetch; past it the request recomputes
     lookup_timeout_s: float = 1.0  # the scheduler's wait for the etcd mirror at start
-    corrupt_every: int = 0  # fault injection: flip a byte of every Nth block served (tests only)
+    fault_file: str = ""  # fault injection for tests: pool_faults.py reads it per fetch served
 
     def pool_node_id(self) -> str:
         return f"{self.node_id}.pool"

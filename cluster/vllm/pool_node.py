@@ -30,14 +30,14 @@ from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
 from cluster.meta.publisher import Publisher
 from cluster.vllm.connector_config import POOL_KIND, ConnectorConfig
 from cluster.vllm.paged_kv import PagedKV
+from cluster.vllm.pool_faults import pool_source
 from store.arena import KVArena
 from store.disk_tier import DiskTier
 from store.keys import BlockKey, Namespace
-from store.node_blocks import Hold, NodeBlocks
+from store.node_blocks import NodeBlocks
 from store.pool import BlockPool
 from store.tiers import TierChain
 from transfer.errors import TransferError
-from transfer.faults import source_for
 from transfer.fetcher import Fetcher
 from transfer.server import Server, serve
 
@@ -66,7 +66,7 @@ class PoolNode:
         self.config, self.paged, self.namespace = config, paged, namespace
         self.arena = KVArena(paged.arena_shape(config.pool_blocks), paged.dtype, "cpu")
         self.blocks = _blocks(config, self.arena)
-        self.source = source_for(self.blocks, self.arena, config.corrupt_every)
+        self.source = pool_source(self.blocks, self.arena, config.fault_file)
         self.fetcher = Fetcher(config.token)
         self.server: Server | None = None
         self.etcd: EtcdClient | None = None
@@ -120,37 +120,36 @@ class PoolNode:
         return len(stored)
 
     async def load(self, keys: Sequence[BlockKey], first: int, vllm_ids: Sequence[int], peer_url: str) -> Loaded:
-        """Fill vllm_ids (the blocks of keys[first:]) with the longest intact prefix local or from `peer_url`."""
+        """Fill vllm_ids (the blocks of keys[first:]) with the longest intact prefix, local or from `peer_url`."""
         self.blocks.promote(keys)
-        holds = [self.blocks.acquire(keys)]
+        held = len(self.blocks.match(keys))
         num_fetched = num_bytes = 0
+        if held < len(keys) and peer_url:
+            num_fetched, num_bytes = await self._fetch(peer_url, keys[held:])
+        hold = self.blocks.acquire(keys)  # what is here now: local, fetched, and what a failed fetch committed
         try:
-            if len(holds[0].block_ids) < len(keys) and peer_url:
-                fetched = await self._fetch(peer_url, keys[len(holds[0].block_ids):])
-                if fetched is not None:
-                    holds.append(fetched[0])
-                    num_fetched, num_bytes = len(fetched[0].block_ids), fetched[1]
-            pool_ids = [block for hold in holds for block in hold.block_ids]
-            self.paged.load(self.arena, pool_ids[first:], vllm_ids[: max(0, len(pool_ids) - first)])
-            return Loaded(len(pool_ids), num_fetched, num_bytes)
+            self.paged.load(self.arena, hold.block_ids[first:], vllm_ids[: max(0, len(hold.block_ids) - first)])
+            return Loaded(len(hold.block_ids), num_fetched, num_bytes)
         finally:
-            for hold in holds:
-                self.blocks.release(hold)
+            self.blocks.release(hold)
             self._publish(self.blocks.take_changes().keys())
 
-    async def _fetch(self, peer_url: str, keys: Sequence[BlockKey]) -> tuple[Hold, int] | None:
+    async def _fetch(self, peer_url: str, keys: Sequence[BlockKey]) -> tuple[int, int]:
+        """(blocks, bytes) committed from the peer: a prefix of `keys`, cached (unheld) in this pool."""
         try:
             result = await self.fetcher.fetch(peer_url, keys, self.blocks, self.arena,
                                               deadline_s=self.config.fetch_timeout_s)
         except TransferError as err:
-            log.warning("fetch of %d blocks from %s failed (%s): recomputing them", len(keys), peer_url, err)
+            log.warning("fetch of %d blocks from %s failed (%s): %d arrived intact", len(keys), peer_url,
+                        err, len(err.stored))
             self._publish([*err.stored, *err.evicted])
-            return None
-        if result.num_blocks < len(keys):
-            log.warning("fetch from %s: %d of %d blocks arrived intact; recomputing the rest",
-                        peer_url, result.num_blocks, len(keys))
+            return len(err.stored), len(err.stored) * self.arena.block_bytes
+        num_blocks = result.num_blocks
+        if num_blocks < len(keys):
+            log.warning("fetch from %s: %d of %d blocks arrived intact", peer_url, num_blocks, len(keys))
+        self.blocks.release(result.hold)  # cached, unheld: load() acquires the whole prefix at once
         self._publish([*result.keys, *result.evicted])
-        return result.hold, result.num_bytes
+        return num_blocks, result.num_bytes
 
     def _publish(self, keys: Sequence[BlockKey]) -> None:
         """Each key in the fastest tier that holds it now, or deleted when none does."""
