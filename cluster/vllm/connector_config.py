@@ -41,7 +41,7 @@ class ConnectorConfig:
     transfer_port: int = 0
     token: str = ""  # shared transfer secret
     pool_blocks: int = 256  # blocks of the pool's host-memory arena
-    disk_tier_dir: str = ""
+    disk_tier_dir: str = ""  # the SSD tier lives in <disk_tier_dir>/<node_id>; blocks evicted from the arena go there
     disk_tier_blocks: int = 0
     lease_ttl_s: int = 10
     fetch_timeout_s: float = 5.0  # one peer fetch; past it the request recomputes

@@ -22,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
 from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
-from cluster.meta.publisher import Publisher
+from cluster.meta.publisher import Publisher, publish_placement
 from cluster.vllm.connector_config import POOL_KIND, ConnectorConfig
 from cluster.vllm.paged_kv import PagedKV
 from cluster.vllm.pool_faults import pool_source
@@ -57,7 +58,7 @@ def _blocks(config: ConnectorConfig, arena: KVArena) -> NodeBlocks:
     if config.disk_tier_blocks > 0:
         if not config.disk_tier_dir:
             raise ValueError("disk_tier_blocks needs disk_tier_dir")
-        disk = DiskTier(config.disk_tier_dir, arena.block_bytes, config.disk_tier_blocks)
+        disk = DiskTier(Path(config.disk_tier_dir) / config.node_id, arena.block_bytes, config.disk_tier_blocks)
     return NodeBlocks(BlockPool(config.pool_blocks), TierChain(arena, disk=disk) if disk else None)
 
 
@@ -152,12 +153,8 @@ class PoolNode:
         return num_blocks, result.num_bytes
 
     def _publish(self, keys: Sequence[BlockKey]) -> None:
-        """Each key in the fastest tier that holds it now, or deleted when none does."""
-        stored, removed = self.blocks.placement(keys)
-        if removed:
-            self.publisher.publish(removed=removed)
-        for tier, tier_keys in stored.items():
-            self.publisher.publish(stored=tier_keys, tier=tier)
+        if keys:
+            publish_placement(self.publisher, self.blocks.placement(keys))
 
     async def _collect_ssd(self) -> None:
         while True:
