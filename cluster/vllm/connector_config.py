@@ -45,7 +45,7 @@ class ConnectorConfig:
     disk_tier_blocks: int = 0
     lease_ttl_s: int = 10
     fetch_timeout_s: float = 5.0  # one peer fetch; past it the request recomputes
-    lookup_timeout_s: float = 1.0  # the scheduler's wait for the etcd mirror at start
+    lookup_timeout_s: float = 1.0  # the scheduler's wait for its etcd mirror's thread, per request
     fault_file: str = ""  # fault injection for tests: pool_faults.py reads it per fetch served
 
     def pool_node_id(self) -> str:

@@ -83,12 +83,21 @@ class SchedulerSide:
         tracked = self._track(request_id, salt, lora)
         num_blocks = (len(tokens) - 1) // self.block_size
         keys = chain_from(tracked.namespace.root(), pack_tokens(tokens[: num_blocks * self.block_size]), self.block_size)
-        plan = self._loop.run(self._plan(keys), self.config.lookup_timeout_s) if keys else None
+        plan = self._lookup(keys) if keys else None
         if plan is None or len(plan.keys) * self.block_size <= num_local:
             self._plans.pop(request_id, None)
             return 0
         self._plans[request_id] = (plan, num_local // self.block_size)
         return len(plan.keys) * self.block_size - num_local
+
+    def _lookup(self, keys: list[BlockKey]) -> Plan | None:
+        """The plan, read on the mirror's own thread; none when that thread does not answer in time."""
+        try:
+            return self._loop.run(self._plan(keys), self.config.lookup_timeout_s)
+        except TimeoutError:
+            log.warning("prefix lookup took over %ss: computing the request without the pool",
+                        self.config.lookup_timeout_s)
+            return None
 
     async def _plan(self, keys: list[BlockKey]) -> Plan | None:
         """This node's pool first; a peer's pool only where it holds strictly more."""
