@@ -59,7 +59,7 @@ def _blocks(config: ConnectorConfig, arena: KVArena) -> NodeBlocks:
         if not config.disk_tier_dir:
             raise ValueError("disk_tier_blocks needs disk_tier_dir")
         disk = DiskTier(Path(config.disk_tier_dir) / config.node_id, arena.block_bytes, config.disk_tier_blocks)
-    return NodeBlocks(BlockPool(config.pool_blocks), TierChain(arena, disk=disk) if disk else None)
+    return NodeBlocks(BlockPool(config.pool_blocks), TierChain(arena, disk=disk) if disk is not None else None)
 
 
 class PoolNode:
