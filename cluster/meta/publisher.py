@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping, Protocol
 
 from cluster.meta.background import stop_task
 from cluster.meta.etcd_client import EtcdClient, EtcdError, LeaseNotFound
@@ -32,6 +32,19 @@ from store.keys import BlockKey
 log = logging.getLogger(__name__)
 
 AllKeys = Callable[[], list[tuple[BlockKey, str]]]
+
+
+class PublishesBlocks(Protocol):
+    def publish(self, stored: Iterable[BlockKey] = ..., removed: Iterable[BlockKey] = ..., tier: str = ...) -> None: ...
+
+
+def publish_placement(publisher: PublishesBlocks, placement: tuple[Mapping[str, list[BlockKey]], list[BlockKey]]) -> None:
+    """Each key in the tier that holds it now, or deleted where none does (NodeBlocks.placement's answer)."""
+    stored, removed = placement
+    if removed:
+        publisher.publish(removed=removed)
+    for tier, tier_keys in stored.items():
+        publisher.publish(stored=tier_keys, tier=tier)
 
 
 @dataclass(frozen=True)

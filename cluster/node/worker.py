@@ -35,6 +35,7 @@ from typing import AsyncIterator, Protocol
 
 from cluster.engine.batch import Batch, TokenEvent
 from cluster.engine.scheduler import Engine
+from cluster.meta.publisher import publish_placement
 from router.contract.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage, WorkerLoad
 from store.keys import BlockKey, Namespace, chain
 from store.node_blocks import Hold
@@ -251,13 +252,8 @@ class Worker:
 
     def _publish(self, keys: list[BlockKey]) -> None:
         """Each key in the fastest tier that holds it now, or deleted when none does."""
-        if not keys:
-            return
-        stored, removed = self.blocks.placement(keys)
-        if removed:
-            self.publisher.publish(removed=removed)
-        for tier, tier_keys in stored.items():
-            self.publisher.publish(stored=tier_keys, tier=tier)
+        if keys:
+            publish_placement(self.publisher, self.blocks.placement(keys))
 
     async def _collect(self) -> None:
         while True:

@@ -25,6 +25,14 @@ from store.keys import BlockKey, Namespace, chain_from, pack_tokens
 log = logging.getLogger(__name__)
 
 
+def request_namespace(namespace: Namespace, cache_salt: str | None, lora_name: str | None) -> Namespace:
+    """The namespace vLLM's own hashing separates a request into: its tenant's salt, its LoRA adapter."""
+    namespace = namespace.with_salt(cache_salt or "")
+    if lora_name is not None:
+        namespace = dataclasses.replace(namespace, model=f"{namespace.model}+lora:{lora_name}")
+    return namespace
+
+
 class BlockSizeMismatch(ValueError):
     """vLLM stores blocks of another size than the node was told: its keys would never match."""
 
@@ -87,10 +95,7 @@ class Ledger:
     def _parent_key(self, event: BlockStored) -> bytes | None:
         if event.parent_block_hash is not None:
             return self.keys.get(event.parent_block_hash)
-        namespace = self.namespace.with_salt(cache_salt_of(event))
-        if event.lora_name is not None:
-            namespace = dataclasses.replace(namespace, model=f"{namespace.model}+lora:{event.lora_name}")
-        return namespace.root()
+        return request_namespace(self.namespace, cache_salt_of(event), event.lora_name).root()
 
     def _drop(self, block_hash: BlockHash) -> BlockKey | None:
         key = self.keys.pop(block_hash, None)

@@ -58,6 +58,7 @@ class VllmConfig:
     memory_fraction: float = 0.2  # on the CPU backend: of host memory
     num_blocks: int = 0  # 0: as many as the memory fraction allows
     python: str = str(DEFAULT_PYTHON)
+    kv_transfer_config: str = ""  # JSON for --kv-transfer-config (connector_config.kv_transfer_json); "" = none
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -77,7 +78,15 @@ def argv(config: VllmConfig, port: int, events: str, replay: str) -> list[str]:
             "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events)]
     if config.num_blocks:
         args += ["--num-gpu-blocks-override", str(config.num_blocks)]
+    if config.kv_transfer_config:
+        args += ["--kv-transfer-config", config.kv_transfer_config]
     return args + list(config.extra_args)
+
+
+def child_env() -> dict[str, str]:
+    """Our environment, with this checkout first on vLLM's path: the KV connector loads from it."""
+    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 def _own_group_dying_with_parent() -> None:
@@ -115,7 +124,7 @@ class VllmServer:
         port = free_port()
         events, replay = f"ipc://{run_dir / name}-events", f"ipc://{run_dir / name}-replay"
         log_path = run_dir / f"{name}.log"
-        env = dict(os.environ)
+        env = child_env()
         if temp is not None:
             env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(temp.path)
         with open(log_path, "wb") as log:

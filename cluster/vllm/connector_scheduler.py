@@ -1,0 +1,154 @@
+"""The connector's scheduler side: how much of a prompt the pool can supply, and what to load and save each step.
+
+    get_num_new_matched_tokens(request, local)   keys of the prompt's full blocks (never its last token)
+        etcd mirror: longest prefix per node ─▶ this node's pool, else the pool holding the most
+        ─▶ plan (keys[:n], peer URL or "") and n·block_size − local tokens (0 when n ≤ local)
+    update_state_after_alloc                      the plan becomes a load into the request's blocks [local, n)
+    build_connector_meta(step)                    loads: every planned load, with vLLM block ids
+                                                  saves: each scheduled request's full blocks that the
+                                                  step completes, [saved, full), with keys chained on
+
+Loads are synchronous (the worker loads before the step's forward pass):
+etcd is only a hint, the worker reports blocks that did not arrive and vLLM
+recomputes from the first of them. Saving resumes from the computed-token
+count after a rollback, so a block that failed to load is saved once it has
+been recomputed. Knows nothing of tensors or sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from cluster.meta.etcd_client import EtcdClient
+from cluster.meta.layout import Layout
+from cluster.meta.mirror import Mirror
+from cluster.vllm.connector_config import POOL_KIND, ConnectorConfig
+from cluster.vllm.ledger import request_namespace
+from cluster.vllm.loop_thread import LoopThread
+from store.keys import BlockKey, Namespace, chain_from, pack_tokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadOp:
+    request_id: str
+    keys: list[BlockKey]  # the planned prefix; vLLM holds keys[:first] already
+    first: int
+    block_ids: list[int]  # vLLM blocks for keys[first:]
+    peer_url: str  # where the blocks this node lacks come from ("" = none)
+
+
+@dataclass(frozen=True)
+class SaveOp:
+    keys: list[BlockKey]
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Plan:
+    keys: list[BlockKey]
+    peer_url: str
+
+
+@dataclass
+class _Tracked:
+    namespace: Namespace
+    keys: list[BlockKey] = field(default_factory=list)  # chained over the request's full blocks so far
+    saved: int = 0  # blocks handed to the worker to save
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, namespace: Namespace) -> None:
+        self.config, self.namespace = config, namespace
+        self.block_size = namespace.block_size
+        self.node_id = config.pool_node_id()
+        self._loop = LoopThread("prefixpool-scheduler")
+        self._etcd = EtcdClient(config.etcd_endpoints)
+        self._mirror = Mirror(self._etcd, Layout(config.cluster))
+        self._loop.run(self._mirror.start())
+        self._plans: dict[str, tuple[Plan, int]] = {}  # request -> (plan, blocks vLLM computes itself)
+        self._loads: dict[str, tuple[Plan, int]] = {}
+        self._tracked: dict[str, _Tracked] = {}
+
+    def close(self) -> None:
+        self._loop.run(self._mirror.stop())
+        self._loop.run(self._etcd.close())
+        self._loop.close()
+
+    def num_matched(self, request_id: str, tokens: list[int], salt: str | None, lora: str | None,
+                    num_local: int) -> int:  # fmt: skip
+        """Tokens beyond `num_local` the pool can supply now (whole blocks; the last prompt token never)."""
+        tracked = self._track(request_id, salt, lora)
+        num_blocks = (len(tokens) - 1) // self.block_size
+        keys = chain_from(tracked.namespace.root(), pack_tokens(tokens[: num_blocks * self.block_size]), self.block_size)
+        plan = self._lookup(keys) if keys else None
+        if plan is None or len(plan.keys) * self.block_size <= num_local:
+            self._plans.pop(request_id, None)
+            return 0
+        self._plans[request_id] = (plan, num_local // self.block_size)
+        return len(plan.keys) * self.block_size - num_local
+
+    def _lookup(self, keys: list[BlockKey]) -> Plan | None:
+        """The plan, read on the mirror's own thread; none when that thread does not answer in time."""
+        try:
+            return self._loop.run(self._plan(keys), self.config.lookup_timeout_s)
+        except TimeoutError:
+            log.warning("prefix lookup took over %ss: computing the request without the pool",
+                        self.config.lookup_timeout_s)
+            return None
+
+    async def _plan(self, keys: list[BlockKey]) -> Plan | None:
+        """This node's pool first; a peer's pool only where it holds strictly more."""
+        matches = self._mirror.longest_prefix(keys)
+        own = matches.get(self.node_id, 0)
+        root = self.namespace.root().hex()
+        peers = [(num, node_id) for node_id, num in matches.items() if node_id != self.node_id and num > own
+                 and (record := self._mirror.nodes.get(node_id)) is not None and record.kind == POOL_KIND
+                 and record.namespace == root and record.transfer_url]
+        if peers:
+            num, node_id = max(peers)
+            return Plan(keys[:num], self._mirror.nodes[node_id].transfer_url)
+        return Plan(keys[:own], "") if own else None
+
+    def allocated(self, request_id: str, num_external: int) -> None:
+        planned = self._plans.pop(request_id, None)
+        if num_external > 0 and planned is not None:
+            self._loads[request_id] = planned
+
+    def step(self, scheduled: dict[str, int], requests: dict[str, object], block_ids) -> tuple[list[LoadOp], list[SaveOp]]:
+        """This step's loads and saves; `scheduled` = tokens per request, `block_ids(request_id)` its vLLM blocks."""
+        loads = [LoadOp(rid, plan.keys, first, block_ids(rid)[first: len(plan.keys)], plan.peer_url)
+                 for rid, (plan, first) in self._loads.items()]
+        self._loads.clear()
+        saves = []
+        for request_id, num_tokens in scheduled.items():
+            request, tracked = requests.get(request_id), self._tracked.get(request_id)
+            if request is None or tracked is None:
+                continue
+            save = self._save_op(tracked, request, num_tokens, block_ids(request_id))
+            if save is not None:
+                saves.append(save)
+        return loads, saves
+
+    def _save_op(self, tracked: _Tracked, request, num_tokens: int, block_ids: list[int]) -> SaveOp | None:
+        full = min((request.num_computed_tokens + num_tokens) // self.block_size, len(block_ids))
+        tracked.saved = min(tracked.saved, request.num_computed_tokens // self.block_size)  # after a rollback
+        if full <= tracked.saved:
+            return None
+        if full > len(tracked.keys):
+            parent = tracked.keys[-1] if tracked.keys else tracked.namespace.root()
+            tokens = request.all_token_ids[len(tracked.keys) * self.block_size: full * self.block_size]
+            tracked.keys.extend(chain_from(parent, pack_tokens(tokens), self.block_size))
+        start, tracked.saved = tracked.saved, full
+        return SaveOp(tracked.keys[start:full], block_ids[start:full])
+
+    def _track(self, request_id: str, salt: str | None, lora: str | None) -> _Tracked:
+        if request_id not in self._tracked:
+            self._tracked[request_id] = _Tracked(request_namespace(self.namespace, salt, lora))
+        return self._tracked[request_id]
+
+    def finished(self, request_id: str) -> None:
+        for table in (self._plans, self._loads, self._tracked):
+            table.pop(request_id, None)

@@ -1,0 +1,163 @@
+"""The pool beside one vLLM server: its blocks in host memory (and SSD), served to peers, published in etcd.
+
+    save(keys, vllm_ids)           vLLM blocks not yet held -> fresh pool blocks -> commit -> publish
+    load(keys, first, vllm_ids, peer)
+        promote   the SSD run after the host prefix comes up
+        acquire   the longest prefix held here
+        fetch     the rest from `peer` (a hint: it sends what it still has, each block checksummed)
+        copy      pool blocks [first, n) -> vLLM blocks; Loaded(n) says how many arrived intact
+
+    etcd: record "<node>.pool" (kind vllm-pool, its transfer URL) under a lease of its own,
+          every block under that lease, in the tier that holds it (first tier = host-memory arena)
+
+The lease is the pool's, not the sidecar's: the pool lives in the vLLM
+process and its blocks die with it, while the sidecar's lease follows vLLM's
+health and its prefix cache. Every method runs on one event loop (LoopThread):
+the transfer server serves peers between vLLM's calls. Knows nothing of vLLM's
+scheduler or of the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from cluster.meta.etcd_client import EtcdClient
+from cluster.meta.layout import Layout
+from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
+from cluster.meta.publisher import Publisher, publish_placement
+from cluster.vllm.connector_config import POOL_KIND, ConnectorConfig
+from cluster.vllm.paged_kv import PagedKV
+from cluster.vllm.pool_faults import pool_source
+from store.arena import KVArena
+from store.disk_tier import DiskTier
+from store.keys import BlockKey, Namespace
+from store.node_blocks import NodeBlocks
+from store.pool import BlockPool
+from store.tiers import TierChain
+from transfer.errors import TransferError
+from transfer.fetcher import Fetcher
+from transfer.server import Server, serve
+
+log = logging.getLogger(__name__)
+COLLECT_S = 0.2  # SSD writes finished -> published
+
+
+@dataclass(frozen=True)
+class Loaded:
+    num_blocks: int  # keys[:num_blocks] are in vLLM's blocks now (those before `first` were already there)
+    num_fetched: int
+    num_bytes: int
+
+
+def _blocks(config: ConnectorConfig, arena: KVArena) -> NodeBlocks:
+    disk = None
+    if config.disk_tier_blocks > 0:
+        if not config.disk_tier_dir:
+            raise ValueError("disk_tier_blocks needs disk_tier_dir")
+        disk = DiskTier(Path(config.disk_tier_dir) / config.node_id, arena.block_bytes, config.disk_tier_blocks)
+    return NodeBlocks(BlockPool(config.pool_blocks), TierChain(arena, disk=disk) if disk is not None else None)
+
+
+class PoolNode:
+    def __init__(self, config: ConnectorConfig, paged: PagedKV, namespace: Namespace) -> None:
+        self.config, self.paged, self.namespace = config, paged, namespace
+        self.arena = KVArena(paged.arena_shape(config.pool_blocks), paged.dtype, "cpu")
+        self.blocks = _blocks(config, self.arena)
+        self.source = pool_source(self.blocks, self.arena, config.fault_file)
+        self.fetcher = Fetcher(config.token)
+        self.server: Server | None = None
+        self.etcd: EtcdClient | None = None
+        self.membership: Membership | None = None
+        self.publisher: Publisher | None = None
+        self._collect: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        config = self.config
+        self.server = await serve(self.blocks, self.arena, f"{config.transfer}://{config.host}:{config.transfer_port}",
+                                  config.token, source=self.source)
+        port = self.server.url.rsplit(":", 1)[1]
+        transfer_url = f"{config.transfer}://{config.advertise_host or config.host}:{port}"
+        record = NodeRecord(config.pool_node_id(), "", transfer_url, self.namespace.block_size, config.pool_blocks,
+                            self.namespace.model, kind=POOL_KIND, namespace=self.namespace.root().hex())
+        self.etcd = EtcdClient(config.etcd_endpoints)
+        self.membership = Membership(self.etcd, Layout(config.cluster), record, MembershipConfig(ttl_s=config.lease_ttl_s))
+        self.publisher = Publisher(self.etcd, self.membership, self.blocks.entries)
+        found = self.blocks.scan()  # a warm SSD tier from an earlier run: published on registering
+        await self.publisher.start()
+        await self.membership.start()
+        self._collect = asyncio.create_task(self._collect_ssd())
+        log.info("prefixpool pool %s serving %s (%d blocks of %d bytes, %d from SSD)", record.node_id,
+                 transfer_url, config.pool_blocks, self.arena.block_bytes, len(found))
+
+    async def stop(self) -> None:
+        if self._collect is not None:
+            self._collect.cancel()
+        if self.publisher is not None:
+            await self.publisher.stop()
+            await self.membership.stop()  # revokes the lease: the pool's blocks leave etcd now
+            await self.server.close()
+            await self.etcd.close()
+        await self.fetcher.close()
+        self.blocks.close()
+
+    async def save(self, keys: Sequence[BlockKey], vllm_ids: Sequence[int]) -> int:
+        """Copy the blocks of `keys` this node does not hold yet out of vLLM; returns how many."""
+        new = [(key, block) for key, block in zip(keys, vllm_ids) if self.blocks.tier_of(key) is None]
+        if not new:
+            return 0
+        hold = self.blocks.acquire(())
+        try:
+            evicted = self.blocks.allocate(hold, min(len(new), self.blocks.num_free))
+            new = new[: len(hold.block_ids)]
+            self.paged.save([block for _, block in new], self.arena, hold.block_ids)
+            stored = self.blocks.commit(hold, 0, [key for key, _ in new])
+        finally:
+            self.blocks.release(hold)
+        self._publish([*stored, *evicted])
+        return len(stored)
+
+    async def load(self, keys: Sequence[BlockKey], first: int, vllm_ids: Sequence[int], peer_url: str) -> Loaded:
+        """Fill vllm_ids (the blocks of keys[first:]) with the longest intact prefix, local or from `peer_url`."""
+        self.blocks.promote(keys)
+        held = len(self.blocks.match(keys))
+        num_fetched = num_bytes = 0
+        if held < len(keys) and peer_url:
+            num_fetched, num_bytes = await self._fetch(peer_url, keys[held:])
+        hold = self.blocks.acquire(keys)  # what is here now: local, fetched, and what a failed fetch committed
+        try:
+            self.paged.load(self.arena, hold.block_ids[first:], vllm_ids[: max(0, len(hold.block_ids) - first)])
+            return Loaded(len(hold.block_ids), num_fetched, num_bytes)
+        finally:
+            self.blocks.release(hold)
+            self._publish(self.blocks.take_changes().keys())
+
+    async def _fetch(self, peer_url: str, keys: Sequence[BlockKey]) -> tuple[int, int]:
+        """(blocks, bytes) committed from the peer: a prefix of `keys`, cached (unheld) in this pool."""
+        try:
+            result = await self.fetcher.fetch(peer_url, keys, self.blocks, self.arena,
+                                              deadline_s=self.config.fetch_timeout_s)
+        except TransferError as err:
+            log.warning("fetch of %d blocks from %s failed (%s): %d arrived intact", len(keys), peer_url,
+                        err, len(err.stored))
+            self._publish([*err.stored, *err.evicted])
+            return len(err.stored), len(err.stored) * self.arena.block_bytes
+        num_blocks = result.num_blocks
+        if num_blocks < len(keys):
+            log.warning("fetch from %s: %d of %d blocks arrived intact", peer_url, num_blocks, len(keys))
+        self.blocks.release(result.hold)  # cached, unheld: load() acquires the whole prefix at once
+        self._publish([*result.keys, *result.evicted])
+        return num_blocks, result.num_bytes
+
+    def _publish(self, keys: Sequence[BlockKey]) -> None:
+        if keys:
+            publish_placement(self.publisher, self.blocks.placement(keys))
+
+    async def _collect_ssd(self) -> None:
+        while True:
+            await asyncio.sleep(COLLECT_S)
+            self.blocks.collect()
+            self._publish(self.blocks.take_changes().keys())
