@@ -64,10 +64,6 @@ class FleetLoad:
         """Router id -> revision of its entry."""
         return {router_id: entry.revision for router_id, entry in self._entries.items()}
 
-    def urls(self) -> dict[str, str]:
-        """Router id -> the URL it advertises."""
-        return {router_id: entry.load.url for router_id, entry in self._entries.items()}
-
     def share(self, worker: str, exclude: str = "") -> tuple[int, int]:
         """(requests, queued prefill tokens) on `worker` summed over every router but `exclude`."""
         requests = tokens = 0
