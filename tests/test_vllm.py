@@ -259,9 +259,11 @@ def test_load_sent_to_vllm_directly_reaches_every_router_through_the_sidecar(fle
 
 def test_etcd_keys_equal_what_vllm_reported_stored_minus_removed(fleet):
     url = fleet.vllm_servers["vllm-0"].url
-    for i in range(8):  # 8 x ~22 blocks through a 160-block cache: vLLM evicts, and says so
+    for i in range(16):  # ~22 blocks a round through a 160-block cache: vLLM evicts, and says so
         complete(url, f"Eviction round {i}: " + SHARED * 2, max_tokens=2)
-    assert fleet.events.num_removed() > 0
+        if i >= 7 and fleet.events.num_removed():
+            break
+    assert fleet.events.num_removed() > 0, f"no eviction reported in {len(fleet.events.batches)} event batches"
     expected = fleet.events.held_keys()
     layout = Layout("default")
     deadline = time.monotonic() + 30

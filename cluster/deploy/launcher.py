@@ -25,8 +25,7 @@ from pathlib import Path
 from cluster.deploy.etcd_server import EtcdServer
 from cluster.deploy.janitor import OwnedTempDir
 from cluster.deploy.processes import Child, python_argv, spawn
-from cluster.deploy.vllm_fleet import add_vllm_arguments, model_args, sidecar_args, vllm_config, vllm_temp_dir
-from cluster.vllm.connector_config import kv_transfer_json
+from cluster.deploy.vllm_fleet import add_vllm_arguments, model_args, on_node, sidecar_args, vllm_config, vllm_temp_dir
 from cluster.vllm.server import VllmConfig, VllmServer
 
 
@@ -82,10 +81,8 @@ class LocalCluster:
             self.start_sidecar(node_id)
 
     def vllm_config_for(self, node_id: str) -> VllmConfig:
-        if not self.vllm_connector:
-            return self.vllm
-        kv = kv_transfer_json({"etcd_endpoints": self.etcd.endpoint, "node_id": node_id, **self.connector_settings})
-        return dataclasses.replace(self.vllm, kv_transfer_config=kv)
+        assert self.vllm is not None and self.etcd is not None
+        return on_node(self.vllm, node_id, self.etcd.endpoint, self.vllm_connector, self.connector_settings)
 
     def start_sidecar(self, node_id: str) -> Child:
         server = self.vllm_servers[node_id]

@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     workers = args.workers if args.workers is not None else (0 if args.vllm else 2)
     deployment = ray_deploy.up(workers, etcd_endpoints=args.etcd_endpoints, etcd_port=args.etcd_port,
                                etcd_data_dir=args.etcd_data_dir, router_port=args.router_port,
-                               router_host=args.router_host, env=env, vllm=vllm_config(args), num_vllm=args.vllm)
+                               router_host=args.router_host, env=env, vllm=vllm_config(args), num_vllm=args.vllm,
+                               vllm_connector=args.vllm_connector)
     print(f"router: {deployment.router_url}\netcd: {deployment.etcd_endpoints}\n"
           f"workers: {', '.join([*deployment.worker_names, *deployment.vllm_names])}")
     print(f"worker urls: {', '.join(deployment.worker_urls)}")

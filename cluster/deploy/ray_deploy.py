@@ -67,9 +67,11 @@ class ProcessActor:
 class VllmActor(ProcessActor):
     """A vLLM server (its own temp dir) and its vllm-node sidecar (the child), both dying with the actor."""
 
-    def __init__(self, name: str, config: VllmConfig, etcd_endpoints: str, env: dict[str, str]) -> None:
+    def __init__(self, name: str, config: VllmConfig, etcd_endpoints: str, env: dict[str, str],
+                 connector: bool = False) -> None:
         self.log_dir = OwnedTempDir(f"prefixpool-{name}-")
         self.remove_on_stop = ()
+        config = on_node(config, name, etcd_endpoints, connector)
         self.server = VllmServer.start(config, self.log_dir.path, name, temp=vllm_temp_dir())
         self.child = spawn(f"{name}-sidecar", python_argv(*sidecar_args(name, self.server, etcd_endpoints, config)),
                            self.log_dir.path, env)
@@ -151,7 +153,7 @@ def _start_etcd(port: int, data_dir: str, env: dict[str, str]) -> str:
 def up(num_workers: int, *, etcd_endpoints: str = "", etcd_port: int = 2379, etcd_data_dir: str = "",
        router_port: int = 8000, router_host: str = "", worker_args: tuple[str, ...] = (),
        router_args: tuple[str, ...] = (), env: dict[str, str] | None = None, vllm: VllmConfig | None = None,
-       num_vllm: int = 0) -> Deployment:
+       num_vllm: int = 0, vllm_connector: bool = False) -> Deployment:
     """Deploy on the Ray cluster `ray.init` connected to; returns where it serves.
 
     Workers get no address flags: with etcd on the head's node address each binds and
@@ -170,7 +172,8 @@ def up(num_workers: int, *, etcd_endpoints: str = "", etcd_port: int = 2379, etc
             name, ["worker", "--node-id", name, "--etcd-endpoints", etcd_endpoints, *worker_args], env)
         for name, node_id in zip(names, nodes)
     ]
-    vllms = [_actor(name, num_gpus=gpus, node_id=node_id, cls=VllmActor).remote(name, vllm, etcd_endpoints, env)
+    vllms = [_actor(name, num_gpus=gpus, node_id=node_id, cls=VllmActor).remote(
+                name, vllm, etcd_endpoints, env, vllm_connector)
              for name, node_id in zip(vllm_names, nodes[num_workers:])]
     urls = ray.get([w.url.remote() for w in [*workers, *vllms]])
     router = _actor("router", on_head=True).remote("router", [

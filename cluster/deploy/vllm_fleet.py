@@ -11,15 +11,32 @@ Knows nothing of where the processes run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
+from typing import Any, Mapping
+
+from cluster.deploy.addresses import bind_host
 
 from cluster.deploy.janitor import OwnedTempDir
+from cluster.vllm.connector_config import kv_transfer_json
 from cluster.vllm.server import DEFAULT_PYTHON, TOPIC, VllmConfig, VllmServer
 
 
 def vllm_temp_dir() -> OwnedTempDir:
     """A vLLM server's own temp dir; short, since vLLM's ipc socket paths in it must fit in 107 bytes."""
     return OwnedTempDir("pp-vllm-")
+
+
+def on_node(config: VllmConfig, node_id: str, etcd_endpoints: str, connector: bool,
+            settings: Mapping[str, Any] | None = None) -> VllmConfig:
+    """`config` for the vLLM server of `node_id`: bound where peers reach it (loopback with a loopback
+    etcd, else the interface routing to etcd), and with PrefixPoolConnector when `connector` is set."""
+    host = config.host if config.host != "127.0.0.1" else bind_host("", etcd_endpoints)
+    config = dataclasses.replace(config, host=host)
+    if not connector:
+        return config
+    extra = {"etcd_endpoints": etcd_endpoints, "node_id": node_id, "host": host, **(settings or {})}
+    return dataclasses.replace(config, kv_transfer_config=kv_transfer_json(extra))
 
 
 def model_args(config: VllmConfig | None) -> list[str]:
