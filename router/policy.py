@@ -13,14 +13,19 @@
 `matches` maps node -> blocks it holds consecutively from the first key
 (router.index.BlockIndex.longest_prefix); `loads` has one entry per candidate
 worker and defines the candidates. The live router and the trace simulator
-call the same functions. Knows nothing of HTTP, etcd or the engine.
+call the same functions. What every candidate shares (the fleet's longest
+prefix, the two best peers to fetch from) is priced once per decision, and the
+per-candidate breakdown (Plan.candidates) is kept only with `explain=True`
+(/v1/route): one decision costs O(workers), not O(workers^2).
+Knows nothing of HTTP, etcd or the engine.
 """
 
 from __future__ import annotations
 
+import heapq
 import random
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, NamedTuple, Protocol
 
 from router.cost_model import CostModel
 
@@ -41,9 +46,8 @@ class NodeLoad:
     num_running: int = 0
 
 
-@dataclass(frozen=True)
-class Terms:
-    """Predicted TTFT of one candidate, term by term."""
+class Terms(NamedTuple):
+    """Predicted TTFT of one candidate, term by term (a tuple: one is built per worker per decision)."""
 
     worker: str
     local_blocks: int
@@ -83,7 +87,7 @@ class Plan:
             "local_blocks": self.local_blocks,
             "prefill_tokens": self.prefill_tokens,
             "predicted_ttft_s": self.predicted_ttft_s,
-            "candidates": [{**asdict(t), "ttft_s": t.ttft_s, "cost_s": t.cost_s} for t in self.candidates],
+            "candidates": [{**t._asdict(), "ttft_s": t.ttft_s, "cost_s": t.cost_s} for t in self.candidates],
         }
 
 
@@ -92,31 +96,49 @@ def _cached_tokens(request: RouteRequest, blocks: int, costs: CostModel) -> int:
     return max(0, min(blocks * costs.block_size, request.num_prompt_tokens - 1))
 
 
-def terms_for(worker: str, request: RouteRequest, matches: dict[str, int], loads: dict[str, NodeLoad],
-              costs: CostModel, allow_fetch: bool) -> Terms:
-    """Cheapest way for `worker` to serve the request: its own prefix, or that plus a peer's longer one.
+class Shared:
+    """What every candidate of one decision shares, priced once: the fleet's held prefix and the best peers.
 
-    Both options are priced as plain floats; only the cheaper one becomes a Terms (this runs
-    once per worker per request).
+    peers: the two longest matches among nodes that can send blocks, longest first (ties: the
+    larger name), so the best peer of any worker is the first of them that is not itself.
     """
-    local = matches.get(worker, 0)
-    load = loads[worker]
+
+    __slots__ = ("request", "matches", "costs", "held_s", "peers")
+
+    def __init__(self, request: RouteRequest, matches: dict[str, int], costs: CostModel, allow_fetch: bool) -> None:
+        self.request, self.matches, self.costs = request, matches, costs
+        self.held_s = _prefill_s(request, max(matches.values(), default=0), costs)  # reusing all the fleet holds
+        movable = request.transfer_nodes  # None: every node can send and receive blocks
+        self.peers = heapq.nlargest(2, ((b, n) for n, b in matches.items() if movable is None or n in movable)) \
+            if allow_fetch else []
+
+    def peer_for(self, worker: str, local: int) -> tuple[int, str | None]:
+        """The longest match `worker` could fetch that is longer than its own, else (0, None)."""
+        movable = self.request.transfer_nodes
+        if movable is not None and worker not in movable:
+            return 0, None
+        for blocks, node in self.peers:
+            if node != worker:
+                return (blocks, node) if blocks > local else (0, None)
+        return 0, None
+
+
+def terms_for(worker: str, load: NodeLoad, shared: Shared) -> Terms:
+    """Cheapest way for `worker` to serve the request: its own prefix, or that plus a peer's longer one."""
+    request, costs = shared.request, shared.costs
+    local = shared.matches.get(worker, 0)
     queue_s = costs.queue_s(load.queued_prefill_tokens, load.num_running)
     lower = request.lower_tier_blocks.get(worker)
     read_s = sum(costs.tier_read_s(tier, blocks) for tier, blocks in lower.items()) if lower else 0.0
     prefill_s = _prefill_s(request, local, costs)
-    held_s = _prefill_s(request, max(matches.values(), default=0), costs)  # reusing all the fleet holds
-    lost_s = costs.lost_reuse_weight * (prefill_s - held_s)
-    movable = request.transfer_nodes  # None: every node can send and receive blocks
-    if allow_fetch and (movable is None or worker in movable):
-        blocks, peer = max(((b, n) for n, b in matches.items()
-                            if n != worker and b > local and (movable is None or n in movable)), default=(0, None))
-        if peer is not None:
-            fetch_prefill_s, transfer_s = _prefill_s(request, blocks, costs), costs.transfer_s(blocks - local)
-            fetch_lost_s = costs.lost_reuse_weight * (fetch_prefill_s - held_s)
-            if fetch_prefill_s + transfer_s + fetch_lost_s < prefill_s + lost_s:
-                return Terms(worker, local, peer, blocks - local, queue_s, fetch_prefill_s, transfer_s, read_s,
-                             fetch_lost_s)
+    lost_s = costs.lost_reuse_weight * (prefill_s - shared.held_s)
+    blocks, peer = shared.peer_for(worker, local)
+    if peer is not None:
+        fetch_prefill_s, transfer_s = _prefill_s(request, blocks, costs), costs.transfer_s(blocks - local)
+        fetch_lost_s = costs.lost_reuse_weight * (fetch_prefill_s - shared.held_s)
+        if fetch_prefill_s + transfer_s + fetch_lost_s < prefill_s + lost_s:
+            return Terms(worker, local, peer, blocks - local, queue_s, fetch_prefill_s, transfer_s, read_s,
+                         fetch_lost_s)
     return Terms(worker, local, None, 0, queue_s, prefill_s, 0.0, read_s, lost_s)
 
 
@@ -134,25 +156,46 @@ def plan_of(request: RouteRequest, chosen: Terms, candidates: tuple[Terms, ...],
     )
 
 
+def _all_terms(request, matches, loads, costs, allow_fetch: bool) -> tuple[Terms, ...]:
+    shared = Shared(request, matches, costs, allow_fetch)
+    return tuple(terms_for(w, loads[w], shared) for w in sorted(loads))
+
+
 def _by_cost(allow_fetch: bool):
-    def choose(request, matches, loads, costs, rng) -> Plan:
-        candidates = tuple(terms_for(w, request, matches, loads, costs, allow_fetch) for w in sorted(loads))
+    def choose(request, matches, loads, costs, rng, *, explain: bool = False) -> Plan:
+        candidates = _all_terms(request, matches, loads, costs, allow_fetch)
         best = min(candidates, key=lambda t: (t.cost_s, -t.local_blocks, t.worker))
-        return plan_of(request, best, candidates, costs)
+        return plan_of(request, best, candidates if explain else (), costs)
     return choose
 
 
 def _by_key(key: Callable[[str, dict[str, int], dict[str, NodeLoad]], tuple]):
-    def choose(request, matches, loads, costs, rng) -> Plan:
-        candidates = tuple(terms_for(w, request, matches, loads, costs, False) for w in sorted(loads))
-        best = min(candidates, key=lambda t: key(t.worker, matches, loads))
-        return plan_of(request, best, candidates, costs)
+    def choose(request, matches, loads, costs, rng, *, explain: bool = False) -> Plan:
+        if explain:
+            candidates = _all_terms(request, matches, loads, costs, False)
+            return plan_of(request, min(candidates, key=lambda t: key(t.worker, matches, loads)), candidates, costs)
+        worker = min(loads, key=lambda w: key(w, matches, loads))
+        return _plan_for(worker, request, matches, loads, costs)
     return choose
 
 
-def _random(request, matches, loads, costs, rng: random.Random) -> Plan:
-    candidates = tuple(terms_for(w, request, matches, loads, costs, False) for w in sorted(loads))
-    return plan_of(request, rng.choice(candidates), candidates, costs)
+def _plan_for(worker: str, request, matches, loads, costs) -> Plan:
+    """The plan of one worker chosen without pricing (no fetch), its terms alone computed."""
+    return plan_of(request, terms_for(worker, loads[worker], Shared(request, matches, costs, False)), (), costs)
+
+
+def _pick(request, matches, loads, costs, explain: bool, index: Callable[[int], int]) -> Plan:
+    """The worker at `index(len(loads))` in name order; every candidate's terms only to explain."""
+    workers = sorted(loads)
+    worker = workers[index(len(workers))]
+    if not explain:
+        return _plan_for(worker, request, matches, loads, costs)
+    candidates = _all_terms(request, matches, loads, costs, False)
+    return plan_of(request, candidates[workers.index(worker)], candidates, costs)
+
+
+def _random(request, matches, loads, costs, rng: random.Random, *, explain: bool = False) -> Plan:
+    return _pick(request, matches, loads, costs, explain, lambda n: rng.choice(range(n)))
 
 
 class RoundRobin:
@@ -161,14 +204,15 @@ class RoundRobin:
     def __init__(self) -> None:
         self.position = 0
 
-    def __call__(self, request, matches, loads, costs, rng) -> Plan:
-        candidates = tuple(terms_for(w, request, matches, loads, costs, False) for w in sorted(loads))
-        chosen = candidates[self.position % len(candidates)]
+    def __call__(self, request, matches, loads, costs, rng, *, explain: bool = False) -> Plan:
+        plan = _pick(request, matches, loads, costs, explain, lambda n: self.position % n)
         self.position += 1
-        return plan_of(request, chosen, candidates, costs)
+        return plan
 
 
-Policy = Callable[[RouteRequest, dict[str, int], dict[str, NodeLoad], CostModel, random.Random], Plan]
+class Policy(Protocol):
+    def __call__(self, request: RouteRequest, matches: dict[str, int], loads: dict[str, NodeLoad], costs: CostModel,
+                 rng: random.Random, *, explain: bool = False) -> Plan: ...
 
 
 def policies() -> dict[str, Policy]:

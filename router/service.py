@@ -23,7 +23,7 @@ import random
 import time
 from dataclasses import dataclass
 from itertools import islice
-from typing import AsyncIterator, Callable, Iterable, Protocol, Sequence
+from typing import AsyncIterator, Iterable, Protocol, Sequence
 
 import msgspec
 import numpy as np
@@ -33,7 +33,7 @@ from router.inflight import InflightTracker
 from router.metrics import RouterMetrics
 from router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_tokens
 from router.cost_model import CostModel
-from router.policy import NodeLoad, Plan, RouteRequest, policies
+from router.policy import NodeLoad, Plan, Policy, RouteRequest, policies
 from router.contract.chat_template import ChatTemplateError
 from router.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Token
 from router.fleet import admit, kind_of, pools_of, transfer_nodes, with_own_pools
@@ -115,7 +115,7 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.inflight = InflightTracker()
         self.rng = rng or random.Random(0)
-        self._choose: Callable[..., Plan] = available[config.policy]
+        self._choose: Policy = available[config.policy]
         self._root = functools.lru_cache(maxsize=4096)(lambda salt: config.namespace.with_salt(salt).root())
 
     # -- requests ------------------------------------------------------------------------------
@@ -178,7 +178,8 @@ class Router:
         """Registered nodes of another namespace, with the reason they are never chosen."""
         return admit(self.view.workers(), self.config.namespace)[1]
 
-    def decide(self, prepared: Prepared, exclude: frozenset[str] = frozenset()) -> tuple[Plan, dict[str, int]]:
+    def decide(self, prepared: Prepared, exclude: frozenset[str] = frozenset(),
+               explain: bool = False) -> tuple[Plan, dict[str, int]]:
         workers = {n: w for n, w in self.live_workers().items() if n not in exclude}
         if not workers:
             refused = self.refused_workers()
@@ -193,7 +194,7 @@ class Router:
         loads = {n: self._load(n, w) for n, w in workers.items()}
         request = RouteRequest(len(prepared.ids), len(keys), self._lower_tiers(keys, matches),
                                transfer_nodes(workers, pools))
-        return self._choose(request, matches, loads, self.costs, self.rng), matches
+        return self._choose(request, matches, loads, self.costs, self.rng, explain=explain), matches
 
     def _lower_tiers(self, keys: list[BlockKey], matches: dict[str, int]) -> dict[str, dict[str, int]]:
         """Per node, how many blocks of its matched prefix sit in each tier below the device."""
@@ -216,7 +217,7 @@ class Router:
         return NodeLoad(queued_prefill_tokens=own.queued_prefill_tokens + queued_tokens, num_running=requests)
 
     def explain(self, prepared: Prepared) -> dict:
-        plan, matches = self.decide(prepared)
+        plan, matches = self.decide(prepared, explain=True)
         loads = {n: self._load(n, w) for n, w in self.live_workers().items()}
         return {"num_prompt_tokens": len(prepared.ids), "num_blocks": len(prepared.keys),
                 "policy": self.config.policy, "matches": matches, "lower_tiers": self._lower_tiers(prepared.keys, matches),

@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cluster.engine.checkpoint import load_checkpoint  # noqa: E402
+from cluster.engine.torch_dtype import dtype_name  # noqa: E402
 from cluster.engine.model_config import arena_shape_for, namespace_for  # noqa: E402
 from cluster.engine.sampling import SamplingParams  # noqa: E402
 from cluster.engine.scheduler import Engine  # noqa: E402
@@ -70,7 +71,7 @@ def hf_llama(args: argparse.Namespace, directory: Path):
 def make_engine(model, num_tokens: int, chunk_size: int, max_batch_size: int) -> Engine:
     num_blocks = num_tokens // BLOCK_SIZE + 8
     arena = KVArena(arena_shape_for(model.config, num_blocks, BLOCK_SIZE), model.dtype)
-    return Engine(model, NodeBlocks(BlockPool(num_blocks)), arena, namespace_for(model.config, model.dtype, BLOCK_SIZE),
+    return Engine(model, NodeBlocks(BlockPool(num_blocks)), arena, namespace_for(model.config, dtype_name(model.dtype), BLOCK_SIZE),
                   chunk_size=chunk_size, max_batch_size=max_batch_size)
 
 

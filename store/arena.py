@@ -10,22 +10,9 @@ are staged through host memory. Knows nothing of keys, ref counts or networks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class ArenaShape:
-    num_blocks: int
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def block_dims(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+from store.arena_shape import ArenaShape
 
 
 class BlockSizeMismatch(ValueError):

@@ -3,6 +3,7 @@
 import random
 
 from cluster.engine.scheduler import Engine
+from cluster.engine.torch_dtype import dtype_name
 from cluster.engine.model_config import arena_shape_for, namespace_for
 from store.arena import KVArena
 from store.node_blocks import NodeBlocks
@@ -14,7 +15,7 @@ BLOCK = 4
 def make_engine(model, num_blocks=64, chunk_size=512, max_batch_size=8):
     config = model.config
     arena = KVArena(arena_shape_for(config, num_blocks, BLOCK), model.dtype)
-    return Engine(model, NodeBlocks(BlockPool(num_blocks)), arena, namespace_for(config, model.dtype, BLOCK),
+    return Engine(model, NodeBlocks(BlockPool(num_blocks)), arena, namespace_for(config, dtype_name(model.dtype), BLOCK),
                   chunk_size=chunk_size, max_batch_size=max_batch_size)
 
 

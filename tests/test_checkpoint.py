@@ -8,9 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cluster.engine.checkpoint import CheckpointError, load_checkpoint, random_model, read_config, write_checkpoint
+from cluster.engine.checkpoint import load_checkpoint, random_model, write_checkpoint
+from cluster.engine.config_file import CheckpointError, read_config
 from cluster.engine.scheduler import Engine
-from cluster.engine.model_config import (ConfigError, ModelConfig, arena_shape_for, namespace_for, preset)
+from cluster.engine.torch_dtype import dtype_name, torch_dtype
+from cluster.engine.model_config import (DTYPE_BYTES, ConfigError, ModelConfig, arena_shape_for, namespace_for, preset)
 from store.arena import KVArena
 from store.node_blocks import NodeBlocks
 from store.pool import BlockPool
@@ -18,7 +20,7 @@ from store.pool import BlockPool
 
 def last_logits(model, prompt):
     arena = KVArena(arena_shape_for(model.config, 16, 4), model.dtype)
-    engine = Engine(model, NodeBlocks(BlockPool(16)), arena, namespace_for(model.config, model.dtype, 4))
+    engine = Engine(model, NodeBlocks(BlockPool(16)), arena, namespace_for(model.config, dtype_name(model.dtype), 4))
     return engine.prefill_logits(prompt)[0]
 
 
@@ -88,15 +90,15 @@ def test_a_directory_without_config_or_weights_is_refused(tmp_path):
 
 def test_real_geometries_size_the_kv_cache():
     llama, qwen = preset("llama-3-8b"), preset("qwen2.5-7b")
-    assert llama.kv_bytes_per_token(torch.bfloat16) == 128 * 1024
-    assert qwen.kv_bytes_per_token(torch.bfloat16) == 56 * 1024
+    assert llama.kv_bytes_per_token("bfloat16") == 128 * 1024
+    assert qwen.kv_bytes_per_token("bfloat16") == 56 * 1024
     shape = arena_shape_for(llama, num_blocks=1, block_size=16)
     with torch.device("meta"):
         block = torch.empty(shape.block_dims, dtype=torch.bfloat16)
     assert block.numel() * 2 == 2 * 1024 * 1024
     for config in (llama, qwen):
         assert ModelConfig.from_hf(config.to_hf(), name=config.name) == config
-    assert namespace_for(llama, torch.bfloat16, 16).dtype == "bfloat16"
+    assert namespace_for(llama, "bfloat16", 16).dtype == "bfloat16"
 
 
 def test_bad_geometry_and_unknown_presets_are_config_errors():
@@ -115,3 +117,11 @@ def test_the_vocab_projection_follows_a_change_of_the_lm_head_weight():
     torch.testing.assert_close(last_logits(model, prompt), 2 * before)
     model.to(torch.bfloat16)                         # a stale fp32 copy would fail against bf16 activations
     torch.testing.assert_close(last_logits(model, prompt), 2 * before, rtol=0.05, atol=0.05)
+
+
+def test_dtype_names_size_elements_as_torch_does():
+    for name, size in DTYPE_BYTES.items():
+        assert torch.empty((), dtype=torch_dtype(name)).element_size() == size
+        assert dtype_name(torch_dtype(name)) == name
+    with pytest.raises(ConfigError, match="unsupported dtype 'int8'"):
+        namespace_for(preset("tiny"), "int8", 16)

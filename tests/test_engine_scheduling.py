@@ -216,9 +216,9 @@ def test_engine_rejects_an_arena_or_namespace_of_another_model(model):
     config = model.config
     with pytest.raises(ValueError, match="dtypes differ"):
         Engine(model, NodeBlocks(BlockPool(4)), KVArena(arena_shape_for(config, 4, BLOCK)),
-               namespace_for(config, torch.bfloat16, BLOCK))
+               namespace_for(config, "bfloat16", BLOCK))
     with pytest.raises(ValueError, match="does not fit the model"):
         Engine(model, NodeBlocks(BlockPool(4)), KVArena(arena_shape_for(config, 4, BLOCK * 2)),
-               namespace_for(config, torch.float32, BLOCK))
+               namespace_for(config, "float32", BLOCK))
     with pytest.raises(ValueError, match="decodes would starve prefill"):
         make_engine(model, chunk_size=4, max_batch_size=8)

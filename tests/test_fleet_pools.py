@@ -55,7 +55,7 @@ def test_a_vllm_node_counts_its_own_pool_and_the_plan_names_a_peer_pool():
     busy = NodeLoad(queued_prefill_tokens=100_000)  # b is busy: fetching its prefix beats queueing on b
     loads = {"a": NodeLoad(), "b": busy, "c": NodeLoad()}
     request = RouteRequest(64 * 32, 64, {}, transfer_nodes(workers, pools))
-    plan = policies()["cost"](request, matches, loads, costs, random.Random(0))
+    plan = policies()["cost"](request, matches, loads, costs, random.Random(0), explain=True)
     assert plan.worker == "a" and plan.fetch_from == "b.pool"
     assert (plan.fetch_start, plan.fetch_end) == (5, 60)
     assert all(t.fetch_from is None for t in plan.candidates if t.worker == "c")  # c has no pool

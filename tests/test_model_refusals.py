@@ -9,9 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cluster.engine.checkpoint import CheckpointError, load_checkpoint, random_model, read_config, write_checkpoint
+from cluster.engine.checkpoint import load_checkpoint, random_model, write_checkpoint
+from cluster.engine.config_file import CheckpointError, read_config
 from cluster.engine.model_config import ModelConfig, preset
-from cluster.engine.rotary import Llama3Scaling
+from cluster.engine.rope_scaling import Llama3Scaling
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -1,6 +1,7 @@
 """Routing policies on hand-built matches and loads."""
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -15,7 +16,7 @@ REQ = RouteRequest(num_prompt_tokens=1600, num_blocks=100)
 
 
 def choose(name, matches, loads, request=REQ, costs=COSTS):
-    return policies()[name](request, matches, loads, costs, random.Random(0))
+    return policies()[name](request, matches, loads, costs, random.Random(0), explain=True)
 
 
 def test_cost_prefers_the_holder_when_idle():
@@ -120,3 +121,44 @@ def test_lost_reuse_is_zero_for_a_cold_prompt_and_for_a_full_fetch():
     assert plan.fetch_end == 90 and chosen.lost_reuse_s == pytest.approx(0.0)
     with pytest.raises(ValueError):
         CostModel(lost_reuse_weight=-1.0)
+
+
+NODES = "abcdef"
+
+
+@given(st.dictionaries(st.sampled_from(NODES), st.integers(1, 100)),
+       st.dictionaries(st.sampled_from(NODES), st.tuples(st.integers(0, 10**5), st.integers(0, 8)), min_size=1),
+       st.none() | st.frozensets(st.sampled_from(NODES)),
+       st.sampled_from(sorted(policies())), st.integers(0, 3))
+def test_the_fast_path_plans_as_the_explained_path_does(matches, queued, movable, name, calls):
+    """Without `explain` a policy skips the per-candidate breakdown, never the decision."""
+    loads = {n: NodeLoad(q, r) for n, (q, r) in queued.items()}
+    request = RouteRequest(1600, 100, {n: {"host": b // 2} for n, b in matches.items() if b > 1}, movable)
+    costs = CostModel(block_size=16, block_bytes=16 * 1024, prefill_tokens_per_s=1000.0, link_bytes_per_s=1e8,
+                      decode_step_s=0.01)
+    fast, explained = policies()[name], policies()[name]
+    for seed in range(calls + 1):  # round_robin moves on at each call, random draws from its rng
+        quick = fast(request, matches, loads, costs, random.Random(seed))
+        full = explained(request, matches, loads, costs, random.Random(seed), explain=True)
+        assert quick.candidates == () and len(full.candidates) == len(loads)
+        assert replace(quick, candidates=full.candidates) == full
+
+
+def best_peer(worker, local, matches, movable):
+    """The peer a worker fetches from at most, by brute force over every node (the oracle)."""
+    if movable is not None and worker not in movable:
+        return None
+    return max(((b, n) for n, b in matches.items() if n != worker and b > local and (movable is None or n in movable)),
+               default=(0, None))[1]
+
+
+@given(st.dictionaries(st.sampled_from(NODES), st.integers(1, 100)),
+       st.dictionaries(st.sampled_from(NODES), st.integers(0, 10**5), min_size=1),
+       st.none() | st.frozensets(st.sampled_from(NODES)))
+def test_a_candidate_fetches_only_from_its_best_peer(matches, queued, movable):
+    loads = {n: NodeLoad(q) for n, q in queued.items()}
+    request = RouteRequest(1600, 100, transfer_nodes=movable)
+    plan = choose("cost", matches, loads, request=request, costs=CostModel(block_size=16, block_bytes=16,
+                                                                            prefill_tokens_per_s=1000.0))
+    for terms in plan.candidates:  # 16-byte blocks on a 10 GB/s link: fetching a longer prefix always pays
+        assert terms.fetch_from == best_peer(terms.worker, terms.local_blocks, matches, movable)

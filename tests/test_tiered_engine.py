@@ -7,6 +7,7 @@ import pytest
 
 from cluster.engine.checkpoint import random_model
 from cluster.engine.scheduler import Engine
+from cluster.engine.torch_dtype import dtype_name
 from cluster.engine.model_config import arena_shape_for, namespace_for, preset
 from cluster.engine.sampling import SamplingParams
 from store.arena import KVArena
@@ -41,7 +42,7 @@ def make_engine(model, num_blocks=16, host_blocks=0, disk_dir=None, min_residenc
     host = HostTier(host_blocks, arena.block_bytes) if host_blocks else None
     disk = DiskTier(disk_dir, arena.block_bytes, 256) if disk_dir else None
     tiers = NodeBlocks(pool, TierChain(arena, host, disk) if (host, disk) != (None, None) else None)
-    engine = Engine(model, tiers, arena, namespace_for(config, model.dtype, BLOCK))
+    engine = Engine(model, tiers, arena, namespace_for(config, dtype_name(model.dtype), BLOCK))
     return engine, tiers, tiers.take_changes
 
 
@@ -65,7 +66,7 @@ def test_plain_allocator_is_the_default(model):
     config = model.config
     blocks = NodeBlocks(BlockPool(8))
     engine = Engine(model, blocks, KVArena(arena_shape_for(config, 8, BLOCK), model.dtype),
-                    namespace_for(config, model.dtype, BLOCK))
+                    namespace_for(config, dtype_name(model.dtype), BLOCK))
     assert isinstance(engine.blocks.tiers, NoTiers)  # allocation is the pool's: nothing is demoted
 
 

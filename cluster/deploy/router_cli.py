@@ -39,7 +39,6 @@ from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
 from cluster.meta.load_publisher import LoadPublisher, LoadPublisherConfig
 from cluster.meta.mirror import Mirror
-from cluster.engine.model_config import torch_dtype
 from cluster.engine.model_source import MODEL_ERRORS, cache_namespace, model_config, tokenizer_for
 from cluster.deploy.processes import announce_ready, start_logging
 from cluster.deploy.router_processes import run_processes
@@ -94,7 +93,7 @@ def serve_one(settings: RouterSettings, on_ready=announce_ready) -> None:
 
 def build_router(settings: RouterSettings, view, client: WorkerClient) -> Router:
     config = model_config(settings.model, settings.model_path)
-    per_token = config.kv_bytes_per_token(torch_dtype(settings.dtype))
+    per_token = config.kv_bytes_per_token(settings.dtype)
     costs = CostModel(block_size=settings.block_size, block_bytes=per_token * settings.block_size,
                       prefill_tokens_per_s=settings.prefill_tokens_per_s, link_bytes_per_s=settings.link_bytes_per_s,
                       decode_step_s=settings.decode_step_s, lost_reuse_weight=settings.lost_reuse_weight)

@@ -31,8 +31,10 @@ from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
 from cluster.meta.load_report import Load, report_load
 from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
-from cluster.engine.model_config import arena_shape_for, resolve_device, torch_dtype
-from cluster.engine.model_source import MODEL_ERRORS, build_model, cache_namespace, tokenizer_for
+from cluster.engine.model_config import arena_shape_for
+from cluster.engine.torch_dtype import resolve_device, torch_dtype
+from cluster.engine.checkpoint import build_model
+from cluster.engine.model_source import MODEL_ERRORS, cache_namespace, tokenizer_for
 from cluster.deploy.processes import announce_ready, start_logging
 from cluster.meta.publisher import Publisher
 from cluster.deploy.settings import add_flags, from_args

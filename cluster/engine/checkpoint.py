@@ -20,30 +20,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from cluster.engine.config_file import CheckpointError, read_config
 from cluster.engine.model import Transformer
-from cluster.engine.model_config import ConfigError, ModelConfig
+from cluster.engine.model_config import ModelConfig, preset, with_name
+from cluster.engine.torch_dtype import torch_dtype
 
 HF_PREFIX = "model."
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded into the model its config describes."""
 
 
 def hf_name(name: str) -> str:
     """Our parameter name -> the HF checkpoint's (everything but lm_head sits under `model.`)."""
     return name if name.startswith("lm_head.") else HF_PREFIX + name
-
-
-def read_config(path: str | Path) -> ModelConfig:
-    directory = Path(path)
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{directory}: no config.json")
-    try:
-        return ModelConfig.from_hf(json.loads(config_file.read_text()), name=directory.name)
-    except (json.JSONDecodeError, ConfigError) as err:
-        raise CheckpointError(f"{config_file}: {err}") from err
 
 
 def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -124,3 +111,12 @@ def write_checkpoint(model: Transformer, path: str | Path, *, num_files: int = 1
         part = {name: state[name] for name in names[index * per_file:(index + 1) * per_file]}
         save_file(part, str(directory / f"model-{index + 1:05d}-of-{num_files:05d}.safetensors"))
     return directory
+
+
+def build_model(model: str, model_path: str, dtype: str, device: torch.device, seed: int) -> Transformer:
+    """`model_path`'s checkpoint (served as `model`), else the preset `model` with weights seeded by `seed`."""
+    if model_path:
+        loaded = load_checkpoint(model_path, dtype=torch_dtype(dtype), device=device)
+        loaded.config = with_name(loaded.config, model)
+        return loaded
+    return random_model(preset(model), seed=seed, dtype=torch_dtype(dtype), device=device)

@@ -10,8 +10,9 @@ A config reads from and writes to an HF-style `config.json` dict of the
 llama, qwen2 or mistral family, and refuses at once, naming the field,
 whatever it would get wrong (another model_type, activation, rope type,
 quantization, MLP bias). Also here: the KV arena's shape and the cache
-namespace a config implies, and the torch dtype and device named by a
-setting. Knows nothing of weights or requests.
+namespace a config implies, and the dtypes a setting may name, kept as names
+(cluster.engine.torch_dtype turns one into torch's): the router reads configs
+and never imports torch. Knows nothing of weights or requests.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-import torch
-
-from cluster.engine.rotary import RopeError, RopeScaling, parse_rope, rope_to_hf
-from store.arena import ArenaShape
+from cluster.engine.rope_scaling import RopeError, RopeScaling, parse_rope, rope_to_hf
+from store.arena_shape import ArenaShape
 from store.keys import Namespace
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}  # the dtypes a setting may name
 
 
 class ConfigError(ValueError):
@@ -63,9 +62,8 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(f"{self.name}: rotary embeddings need an even head_dim, got {self.head_dim}")
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
 
     def to_hf(self) -> dict[str, Any]:
         sliding = set(self.sliding_layers)
@@ -210,22 +208,12 @@ def with_name(config: ModelConfig, name: str) -> ModelConfig:
     return replace(config, name=name)
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def dtype_bytes(name: str) -> int:
+    """The size of one element of the dtype `name`; ConfigError for a dtype we do not serve."""
     try:
-        return DTYPES[name]
+        return DTYPE_BYTES[name]
     except KeyError:
-        raise ConfigError(f"unsupported dtype {name!r}; use one of {', '.join(DTYPES)}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, value in DTYPES.items() if value == dtype)
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    """`auto` is CUDA when present, else CPU; anything else is passed to torch."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        raise ConfigError(f"unsupported dtype {name!r}; use one of {', '.join(DTYPE_BYTES)}") from None
 
 
 def arena_shape_for(config: ModelConfig, num_blocks: int, block_size: int) -> ArenaShape:
@@ -233,6 +221,7 @@ def arena_shape_for(config: ModelConfig, num_blocks: int, block_size: int) -> Ar
                       num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
 
 
-def namespace_for(config: ModelConfig, dtype: torch.dtype, block_size: int, revision: str = "main") -> Namespace:
+def namespace_for(config: ModelConfig, dtype: str, block_size: int, revision: str = "main") -> Namespace:
     """The cache namespace: KV from another model, dtype or block size never matches."""
-    return Namespace(model=config.name, revision=revision, dtype=dtype_name(dtype), block_size=block_size)
+    dtype_bytes(dtype)  # refuses a dtype we do not serve
+    return Namespace(model=config.name, revision=revision, dtype=dtype, block_size=block_size)

@@ -3,18 +3,17 @@
 Router and workers call the same functions, so they agree on the model's
 name (which enters the block-key namespace), its context and vocabulary.
 A checkpoint that cannot be served raises one of MODEL_ERRORS, whose message
-names the file and field; the CLIs print it as one line at startup.
+names the file and field; the CLIs print it as one line at startup. Nothing
+here imports torch (the router imports this module); the weights themselves come from
+cluster.engine.checkpoint.build_model.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from cluster.engine.checkpoint import CheckpointError, load_checkpoint, random_model, read_config
-from cluster.engine.model import Transformer
-from cluster.engine.model_config import ConfigError, ModelConfig, namespace_for, preset, torch_dtype, with_name
+from cluster.engine.config_file import CheckpointError, read_config
+from cluster.engine.model_config import ConfigError, ModelConfig, namespace_for, preset, with_name
 from router.contract.chat_template import ChatTemplateError
 from router.contract.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from store.keys import Namespace
@@ -27,18 +26,10 @@ def model_config(model: str, model_path: str) -> ModelConfig:
     return with_name(read_config(model_path), model) if model_path else preset(model)
 
 
-def build_model(model: str, model_path: str, dtype: str, device: torch.device, seed: int) -> Transformer:
-    if model_path:
-        loaded = load_checkpoint(model_path, dtype=torch_dtype(dtype), device=device)
-        loaded.config = with_name(loaded.config, model)
-        return loaded
-    return random_model(preset(model), seed=seed, dtype=torch_dtype(dtype), device=device)
-
-
 def tokenizer_for(model_path: str) -> Tokenizer:
     """The checkpoint's tokenizer.json when it has one, else the byte-level tokenizer."""
     return load_tokenizer(Path(model_path) if model_path else "")
 
 
 def cache_namespace(config: ModelConfig, dtype: str, block_size: int) -> Namespace:
-    return namespace_for(config, torch_dtype(dtype), block_size)
+    return namespace_for(config, dtype, block_size)

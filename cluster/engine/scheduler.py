@@ -37,7 +37,8 @@ import torch
 
 from cluster.engine.batch import Batch, ScheduledSpan, StepOutput, TokenEvent
 from cluster.engine.model import Transformer
-from cluster.engine.model_config import arena_shape_for, dtype_name
+from cluster.engine.model_config import arena_shape_for
+from cluster.engine.torch_dtype import dtype_name
 from cluster.engine.sampling import Sampler, SamplingParams
 from cluster.engine.sequence import RequestStats, Sequence
 from store.arena import KVArena
