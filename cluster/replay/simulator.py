@@ -139,14 +139,19 @@ def _lower_tiers(nodes: dict[str, SimNode], keys: Sequence[BlockKey], matches: d
     return {name: lower for name, num in matches.items() if (lower := nodes[name].lower_blocks(keys[:num]))}
 
 
-def hit_rate_bound(records: list[TraceRecord]) -> float:
-    """Block-level prefix hits with an infinite cache, as a fraction of input tokens."""
-    seen: set[int] = set()
+def hit_rate_bound(records: list[TraceRecord], num_nodes: int = 1, seed: int = 0) -> float:
+    """Block-level prefix hits with infinite caches, as a fraction of input tokens.
+
+    One node: the bound. Several: each request goes to one at random (seeded), which is what
+    routing by chance (round robin, in arrival order) gets."""
+    rng = random.Random(seed)
+    seen: list[set[int]] = [set() for _ in range(num_nodes)]
     hits = 0
     for record in records:
+        node = seen[rng.randrange(num_nodes)]
         k = 0
-        while k < len(record.hash_ids) and record.hash_ids[k] in seen:
+        while k < len(record.hash_ids) and record.hash_ids[k] in node:
             k += 1
         hits += min(k * TRACE_BLOCK_TOKENS, record.input_length)
-        seen.update(record.hash_ids)
+        node.update(record.hash_ids)
     return hits / sum(r.input_length for r in records)
