@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import openai
+import pytest
 import ray
 
 from cluster.deploy import ray_deploy
@@ -20,6 +21,8 @@ from tests.conftest import etcdctl_get_prefix
 from tests.test_ray import _alive as running, wait_for, workers_seen
 from tests.test_vllm import BLOCK, MODEL, SHARED, model_dir  # noqa: F401 (a fixture)
 from tests.test_vllm_temp import alive
+
+pytestmark = pytest.mark.timeout(1200)  # vLLM starts in minutes on 2 loaded cores; nothing here is timed
 
 
 def complete(url: str, prompt: str, salt: str = ""):

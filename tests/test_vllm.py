@@ -31,6 +31,8 @@ from store.keys import Namespace, chain
 from tests.conftest import etcdctl_get_prefix
 from tests.test_e2e import _wait_for_workers, post
 
+pytestmark = pytest.mark.timeout(1200)  # vLLM starts in minutes on 2 loaded cores; nothing here is timed
+
 MODEL = "tiny-vllm"
 BLOCK = 32
 NAMESPACE = Namespace(model=MODEL, dtype="float32", block_size=BLOCK)

@@ -17,7 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.test_vllm import model_dir  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.timeout(1200)  # vLLM starts in minutes on 2 loaded cores; nothing here is timed
 
 REPO = Path(__file__).resolve().parent.parent
 OWNER = """
