@@ -13,9 +13,11 @@ directory of the test's own, so leftovers are seen exactly.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -45,16 +47,21 @@ def run_in(host, argv: list[str], env: dict[str, str], timeout_s: float = 240) -
 @pytest.fixture(scope="module")
 def nodes(hosts, tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-nodes")
-    tmpdirs = []
-    for i, host in enumerate(hosts.hosts):
-        tmpdir = root / f"tmp{i}"
-        tmpdir.mkdir()
-        tmpdirs.append(tmpdir)
-        role = (["--head", "--port", "6379", "--include-dashboard=false"] if i == 0
-                else ["--address", f"{hosts[0].address}:6379"])
-        run_in(host, [RAY, "start", *role, "--node-ip-address", host.address, "--temp-dir", str(root / f"ray{i}"),
-                      "--num-cpus", "2", "--disable-usage-stats"], ray_env(tmpdir))
-    return tmpdirs  # the hosts fixture stops every process left in the namespaces, by pid
+    # Ray's own dirs: short, its unix sockets' paths must fit in 107 bytes (pytest's numbered dirs grow)
+    short = Path(tempfile.mkdtemp(prefix="pprh-", dir="/tmp"))
+    try:
+        tmpdirs = []
+        for i, host in enumerate(hosts.hosts):
+            tmpdir = root / f"tmp{i}"
+            tmpdir.mkdir()
+            tmpdirs.append(tmpdir)
+            role = (["--head", "--port", "6379", "--include-dashboard=false"] if i == 0
+                    else ["--address", f"{hosts[0].address}:6379"])
+            run_in(host, [RAY, "start", *role, "--node-ip-address", host.address, "--temp-dir", str(short / f"r{i}"),
+                          "--num-cpus", "2", "--disable-usage-stats"], ray_env(tmpdir))
+        yield tmpdirs  # the hosts fixture stops every process left in the namespaces, by pid
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

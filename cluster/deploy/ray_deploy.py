@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.deploy.janitor import OwnedTempDir
 from cluster.deploy.processes import STOP_TIMEOUT_S, Child, python_argv, spawn
-from cluster.deploy.vllm_fleet import model_args, sidecar_args, vllm_temp_dir
+from cluster.deploy.vllm_fleet import model_args, on_node, sidecar_args, vllm_temp_dir
 from cluster.vllm.server import VllmConfig, VllmServer
 
 NAMESPACE = "prefixpool"
