@@ -5,6 +5,7 @@ appear in etcd under the actor's node, and `ray down` leaves no process and no
 temp dir behind.
 """
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -67,3 +68,23 @@ def test_a_vllm_actor_serves_through_the_router_and_ray_down_leaves_nothing(mode
     assert not Path(temp_dir).exists() and not Path(log_dir).exists()
     etcd_port = deployed.etcd_endpoints.rsplit(":", 1)[1]
     assert not Path(tempfile.gettempdir(), f"prefixpool-ray-etcd-{etcd_port}").exists()
+
+
+def test_a_vllm_actor_with_the_connector_saves_into_its_pool_and_ray_down_takes_it(model_dir):  # noqa: F811
+    """`ray up --vllm-connector`: vLLM loads PrefixPoolConnector inside the actor; its pool registers and saves."""
+    ray.init(num_cpus=4, include_dashboard=False, namespace=ray_deploy.NAMESPACE, log_to_driver=False)
+    try:
+        config = VllmConfig(str(model_dir), MODEL, BLOCK, num_blocks=160, memory_fraction=0.1)
+        deployed = ray_deploy.up(0, router_port=0, etcd_port=free_port(), vllm=config, num_vllm=1,
+                                 env={"PREFIXPOOL_LEASE_TTL_S": "3"}, vllm_connector=True)
+        wait_for(lambda: workers_seen(deployed.router_url) == 1)  # the pool takes no requests: not a worker
+        answer = complete(deployed.router_url, SHARED + "Ray with the connector?")
+        assert answer.usage.prompt_tokens > 4 * BLOCK
+        wait_for(lambda: node_blocks(deployed.etcd_endpoints, "vllm-0.pool") >= answer.usage.prompt_tokens // BLOCK)
+        server = type("Endpoint", (), {"client_url": f"http://{deployed.etcd_endpoints}"})()
+        _, kvs = etcdctl_get_prefix(server, Layout("default").node_key("vllm-0.pool").decode())
+        assert [json.loads(value)["kind"] for value in kvs.values()] == ["vllm-pool"]
+    finally:
+        removed = ray_deploy.down()
+        ray.shutdown()
+    assert {"router", "etcd", "vllm-0"} <= set(removed)
