@@ -16,7 +16,6 @@ of what the components do.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import signal
 import threading
 from dataclasses import dataclass, field
