@@ -10,8 +10,9 @@
 A step's queries are cut into tiles so that a decode row does not pay for a
 prefill chunk's length: a tile holds up to `tile` rows of one request. With
 one request, or only short spans, each request is one tile; a single tile
-that starts at position 0 uses SDPA's own causal mask (as before batching),
-over K,V repeated for every query head, since is_causal needs row = position.
+that starts at position 0 (a cold prefill) is the call transformers makes:
+SDPA's own causal mask with GQA over the step's K,V as computed, since its
+context is exactly its own rows (is_causal needs row = position).
 Padding rows repeat a real row and are dropped after the call; padded keys
 are masked. K,V of the step's new positions are written into the arena before
 the call, so a request attends to itself. Knows nothing of pools, keys,
