@@ -66,7 +66,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # in place: two [rows, intermediate] tensors less
         return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
 
 
@@ -80,6 +80,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: PagedLayout,
                 masks: dict[int | None, torch.Tensor | None], kv: torch.Tensor) -> torch.Tensor:
+        # residuals added into the sublayer's fresh output: same sums, no new [rows, hidden] tensor
         x = self.self_attn(self.input_layernorm(x), rope, layout, masks, kv).add_(x)
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
 

@@ -139,7 +139,8 @@ def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     """SDPA's own causal mask over the step's K,V as computed, the call transformers makes.
 
     No gather from the arena, no K,V repeated per query head, no query or output reindexing:
-    those copies (40 MB a layer at 2k tokens, fp32) made our cold prefill ~7% slower (measured).
+    those copies (36 MB a layer at 2k tokens, fp32) are work transformers' prefill does not do
+    (the cause of our 7% gap to it, with fresh tensors where in place would do; benchmarks/engine.md).
     """
     query, key, value = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # 4-D: 3-D takes the math path
     out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
