@@ -53,7 +53,7 @@ def test_one_call_for_the_step_equals_request_by_request(window):
     assert layout.query_rows.shape[1] == QUERY_TILE          # a 73-row chunk beside decodes is cut into tiles
     assert layout.query_rows.shape[0] == 1 + 1 + 3 + 1 + 1 + 1
     store(layer_kv, layout, k, v)
-    out = attend(q, layer_kv, layout, layout.mask(window, HEADS // KV_HEADS, q.dtype))
+    out = attend(q, k, v, layer_kv, layout, layout.mask(window, HEADS // KV_HEADS, q.dtype))
     for span in spans:
         torch.testing.assert_close(out[span.offset:span.offset + span.num_tokens],
                                    reference(q, layer_kv, span, window), rtol=1e-5, atol=1e-5)
@@ -72,7 +72,7 @@ def test_a_single_cold_prefill_uses_sdpa_causal_mask():
     layer_kv = torch.randn(NUM_BLOCKS, 2, BLOCK, KV_HEADS, DIM)
     q, k, v = torch.randn(37, HEADS, DIM), torch.randn(37, KV_HEADS, DIM), torch.randn(37, KV_HEADS, DIM)
     store(layer_kv, layout, k, v)
-    torch.testing.assert_close(attend(q, layer_kv, layout, None), reference(q, layer_kv, span, None),
+    torch.testing.assert_close(attend(q, k, v, layer_kv, layout, None), reference(q, layer_kv, span, None),
                                rtol=1e-5, atol=1e-5)
 
 

@@ -31,8 +31,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return normed.mul_(self.weight)  # a fresh tensor: scaled in place (one 2k x hidden copy less)
 
 
 class Attention(nn.Module):
@@ -55,7 +55,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
         layer_kv = kv[:, self.layer]
         store(layer_kv, layout, k, v)
-        out = attend(q, layer_kv, layout, masks[self.window])
+        out = attend(q, k, v, layer_kv, layout, masks[self.window])
         return self.o_proj(out.reshape(rows, -1))
 
 
@@ -66,8 +66,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # in place: two [rows, intermediate] tensors less
+        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -80,8 +80,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: PagedLayout,
                 masks: dict[int | None, torch.Tensor | None], kv: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, layout, masks, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # residuals added into the sublayer's fresh output: same sums, no new [rows, hidden] tensor
+        x = self.self_attn(self.input_layernorm(x), rope, layout, masks, kv).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class Transformer(nn.Module):

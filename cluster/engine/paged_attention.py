@@ -10,8 +10,9 @@
 A step's queries are cut into tiles so that a decode row does not pay for a
 prefill chunk's length: a tile holds up to `tile` rows of one request. With
 one request, or only short spans, each request is one tile; a single tile
-that starts at position 0 uses SDPA's own causal mask (as before batching),
-over K,V repeated for every query head, since is_causal needs row = position.
+that starts at position 0 (a cold prefill) is the call transformers makes:
+SDPA's own causal mask with GQA over the step's K,V as computed, since its
+context is exactly its own rows (is_causal needs row = position).
 Padding rows repeat a real row and are dropped after the call; padded keys
 are masked. K,V of the step's new positions are written into the arena before
 the call, so a request attends to itself. Knows nothing of pools, keys,
@@ -120,18 +121,30 @@ def store(layer_kv: torch.Tensor, layout: PagedLayout, k: torch.Tensor, v: torch
         layer_kv[layout.store_blocks, 1, layout.store_slots] = v[layout.store_rows]
 
 
-def attend(q: torch.Tensor, layer_kv: torch.Tensor, layout: PagedLayout, mask: torch.Tensor | None) -> torch.Tensor:
-    """q [rows, heads, dim] against the K,V its tiles' block tables hold; [rows, heads, dim] back."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor, layout: PagedLayout,
+           mask: torch.Tensor | None) -> torch.Tensor:
+    """q [rows, heads, dim] against the K,V its tiles' block tables hold; [rows, heads, dim] back.
+
+    k, v [rows, kv_heads, dim] are this step's own, already stored; read directly only when
+    mask is None: one cold prefill from position 0, whose context is exactly these rows.
+    """
+    if mask is None:
+        return _attend_causal(q, k, v)
     keys, values = (_gather(layer_kv[:, i], layout) for i in (0, 1))
-    query = q[layout.query_rows]                                       # [tiles, tile, heads, dim]
-    groups = q.shape[1] // keys.shape[1]
-    if mask is None:  # SDPA's causal mask needs row = position: repeat each KV head for its query heads
-        out = F.scaled_dot_product_attention(query.transpose(1, 2), keys.repeat_interleave(groups, dim=1),
-                                             values.repeat_interleave(groups, dim=1), is_causal=True)
-        out = out.transpose(1, 2)
-    else:
-        out = _attend_grouped(query, keys, values, mask)
+    out = _attend_grouped(q[layout.query_rows], keys, values, mask)  # query [tiles, tile, heads, dim]
     return out.flatten(0, 1)[layout.output_index]
+
+
+def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA's own causal mask over the step's K,V as computed, the call transformers makes.
+
+    No gather from the arena, no K,V repeated per query head, no query or output reindexing:
+    those copies (36 MB a layer at 2k tokens, fp32) are work transformers' prefill does not do
+    (the cause of our 7% gap to it, with fresh tensors where in place would do; benchmarks/engine.md).
+    """
+    query, key, value = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # 4-D: 3-D takes the math path
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def _attend_grouped(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -41,4 +41,5 @@ class Rotary(nn.Module):
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [rows, heads, head_dim] rotated in place of its dtype, HF's rotate-half layout."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1).mul_(sin)
+    return rotated.add_(x * cos)  # x * cos + rotated * sin, summed into one of the fresh tensors
