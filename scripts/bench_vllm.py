@@ -3,20 +3,21 @@
     python scripts/bench_vllm.py --limit 600 --speedup 1.5 --repeat 2 --kv-blocks 0,4000 [--out FILE]
 
 For each KV-cache size in --kv-blocks (blocks per vLLM instance, vLLM's
---num-gpu-blocks-override; 0 = as many as its memory fraction allows) one fleet
-(etcd, 2 vLLM servers with KV events, their sidecars) and one router per policy
-(cost, least_load, round_robin) in front of it. Before each policy both vLLM
-prefix caches are reset (vLLM's /reset_prefix_cache; its AllBlocksCleared event
-empties the index), then the same slice is replayed live
-(cluster/replay/live.py): every trace block is one 32-token vLLM block, hit rate
-= vLLM's reported cached tokens / prompt tokens, TTFT at the client. Each row
-also compares the router's plans with what vLLM reused (the router's
-prefixpool_*_hit_blocks counters): blocks planned, blocks missed (the index
-named them, vLLM had evicted them: lost hits) and the requests that missed,
-blocks reused beyond the plan; and vLLM's preemptions. --repeat R runs the
-policies in turn R times (cost, least_load, round_robin, cost, ...), so a slow
-spell on the shared machine falls on all of them; the ratio line pools every
-round. Prints one side-by-side table; --out also writes it with the command.
+--num-gpu-blocks-override; 0 = as many as its memory fraction allows) one fleet (etcd,
+2 vLLM servers with KV events, their sidecars) and one router per policy (cost,
+least_load, round_robin) in front of it. Before each policy both vLLM prefix
+caches are reset (vLLM's /reset_prefix_cache; its AllBlocksCleared event empties
+the index; the bench waits until the router's mirror is empty too), then the
+same slice is replayed live (cluster/replay/live.py): every trace block is one
+32-token vLLM block, hit rate = vLLM's reported cached tokens / prompt tokens,
+TTFT at the client. Each row also compares the router's plans with what vLLM
+reused (the router's prefixpool_*_hit_blocks counters): blocks planned, blocks
+missed (the index named them, vLLM had evicted them: lost hits) and the requests
+that missed, blocks reused beyond the plan; and vLLM's preemptions. --repeat R
+runs the policies in turn R times (cost, least_load, round_robin, cost, ...), so
+a slow spell on the shared machine falls on all of them; the ratio line pools
+every round. Prints one side-by-side table; --out also writes it with the
+command.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ POLICIES = ("cost", "least_load", "round_robin")
 PLAN_COUNTERS = ("prefixpool_planned_hit_blocks_total", "prefixpool_missed_hit_blocks_total",
                  "prefixpool_missed_plans_total", "prefixpool_unplanned_hit_blocks_total")
 PREEMPTIONS = "vllm:num_preemptions_total"
+INDEX_KEYS = "prefixpool_index_keys"
 
 
 def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -73,12 +75,17 @@ def kv_blocks_of(vllm_url: str) -> int:
     return int(found.group(1)) if found else 0
 
 
-def reset_caches(cluster: LocalCluster) -> None:
+def reset_caches(cluster: LocalCluster, router_url: str, timeout_s: float = 120.0) -> None:
+    """Empty both vLLM caches, then wait for etcd and the router's mirror to hold no block: a mirror
+    still applying the deletes would plan the next replay's first requests on blocks that are gone."""
     for server in cluster.vllm_servers.values():
         request = urllib.request.Request(f"{server.url}/reset_prefix_cache", data=b"", method="POST")
         with urllib.request.urlopen(request, timeout=60) as reply:
             assert reply.status == 200
     asyncio.run(_wait_index_empty(cluster.etcd.endpoint))
+    deadline = time.monotonic() + timeout_s
+    while scrape(router_url, (INDEX_KEYS,))[INDEX_KEYS] and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 async def _wait_index_empty(endpoint: str, timeout_s: float = 60.0) -> None:
@@ -113,7 +120,7 @@ def ratios(tokens: dict[str, list[tuple[int, int]]]) -> str:
 
 def replay_one(cluster: LocalCluster, router_url: str, records: list, args) -> tuple[list, dict, float]:
     """One policy's replay on freshly emptied caches: results, its router's plan counters, vLLM's preemptions."""
-    reset_caches(cluster)
+    reset_caches(cluster, router_url)
     urls = [server.url for server in cluster.vllm_servers.values()]
     before = scrape(router_url, PLAN_COUNTERS), sum(scrape(u, (PREEMPTIONS,))[PREEMPTIONS] for u in urls)
     live = LiveConfig(router_url, MODEL, BLOCK, args.speedup, args.concurrency, args.max_output,
