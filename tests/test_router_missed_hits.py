@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from router.contract.tokenizer import ByteTokenizer
 from router.contract.worker_api import Done, Token, Usage
 from router.cost_model import CostModel
@@ -56,25 +58,20 @@ def counters(prompt: str, held: int, cached_tokens: int) -> dict[str, float]:
              ("missed_plans", "missed_plans"), ("unplanned_blocks", "unplanned_hit_blocks"))}
 
 
-def test_blocks_evicted_after_the_index_saw_them_are_counted_as_missed():
-    assert counters("x" * 17, held=4, cached_tokens=2 * BLOCK) == \
-        {"planned_blocks": 4, "missed_blocks": 2, "missed_plans": 1, "unplanned_blocks": 0}
-
-
-def test_a_plan_the_worker_kept_misses_nothing():
-    assert counters("x" * 17, held=4, cached_tokens=4 * BLOCK) == \
-        {"planned_blocks": 4, "missed_blocks": 0, "missed_plans": 0, "unplanned_blocks": 0}
-
-
-def test_hits_the_index_did_not_know_of_are_counted_apart():
-    assert counters("x" * 17, held=0, cached_tokens=2 * BLOCK) == \
-        {"planned_blocks": 0, "missed_blocks": 0, "missed_plans": 0, "unplanned_blocks": 2}
-
-
-def test_a_fully_held_prompt_on_a_block_boundary_plans_one_block_less():
+CASES = {  # prompt length, blocks the index says `a` holds, tokens the worker reports cached -> counters
+    "evicted after the index saw them: missed": (17, 4, 2 * BLOCK, (4, 2, 1, 0)),
+    "kept: nothing missed": (17, 4, 4 * BLOCK, (4, 0, 0, 0)),
+    "reused before the index knew: unplanned": (17, 0, 2 * BLOCK, (0, 0, 0, 2)),
     # 16 tokens, all 4 blocks held: the last token is computed, so vLLM recomputes the 4th block
-    assert counters("x" * 16, held=4, cached_tokens=3 * BLOCK) == \
-        {"planned_blocks": 3, "missed_blocks": 0, "missed_plans": 0, "unplanned_blocks": 0}
+    "on a block boundary: one block less planned": (16, 4, 3 * BLOCK, (3, 0, 0, 0)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_plan_is_counted_against_the_workers_reuse(case):
+    length, held, cached, expected = CASES[case]
+    names = ("planned_blocks", "missed_blocks", "missed_plans", "unplanned_blocks")
+    assert counters("x" * length, held, cached) == dict(zip(names, expected))
 
 
 def test_hit_blocks_is_the_plans_reach_capped_by_the_last_token():
