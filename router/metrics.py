@@ -28,6 +28,14 @@ class RouterMetrics:
         self.fetched_tokens = Counter("prefixpool_fetched_tokens", "Prompt tokens whose KV was fetched from a peer", registry=r)
         self.fetched_bytes = Counter("prefixpool_fetched_bytes", "KV bytes moved between workers", registry=r)
         self.hit_fraction = Histogram("prefixpool_hit_fraction", "Per-request fraction of prompt tokens not recomputed", buckets=FRACTION_BUCKETS, registry=r)
+        self.planned_blocks = Counter("prefixpool_planned_hit_blocks", "Prompt blocks the route counted on reusing",
+                                      registry=r)
+        self.missed_blocks = Counter("prefixpool_missed_hit_blocks", "Planned blocks the worker recomputed "
+                                     "(evicted after the index saw them, or a failed fetch)", registry=r)
+        self.missed_plans = Counter("prefixpool_missed_plans", "Requests that reused fewer blocks than planned",
+                                    registry=r)
+        self.unplanned_blocks = Counter("prefixpool_unplanned_hit_blocks", "Blocks reused beyond the plan "
+                                        "(stored before the index learned them)", registry=r)
         self.retries = Counter("prefixpool_retries", "Requests retried on another worker", registry=r)
         self.inflight = Gauge("prefixpool_worker_inflight", "Requests in flight per worker", ["worker"], registry=r,
                               multiprocess_mode="livesum")
@@ -46,6 +54,15 @@ class RouterMetrics:
         self.fetched_bytes.inc(fetched_bytes)
         if prompt_tokens:
             self.hit_fraction.observe(cached_tokens / prompt_tokens)
+
+    def observe_plan(self, planned_blocks: int, cached_blocks: int) -> None:
+        """The route's expected reuse against the worker's report: what the index promised and did not hold."""
+        self.planned_blocks.inc(planned_blocks)
+        if cached_blocks < planned_blocks:
+            self.missed_blocks.inc(planned_blocks - cached_blocks)
+            self.missed_plans.inc()
+        else:
+            self.unplanned_blocks.inc(cached_blocks - planned_blocks)
 
     def render(self) -> bytes:
         shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")

@@ -79,6 +79,11 @@ class Plan:
     predicted_ttft_s: float
     candidates: tuple[Terms, ...] = field(default=())
 
+    def hit_blocks(self, num_prompt_tokens: int, block_size: int) -> int:
+        """Full blocks this plan counts on not recomputing. The last prompt token is always computed,
+        so a prompt ending on a block boundary reuses at most one block less than it holds."""
+        return min(self.fetch_end, max(0, num_prompt_tokens - 1) // block_size)
+
     def explain(self) -> dict:
         return {
             "worker": self.worker,

@@ -35,7 +35,7 @@ from router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_
 from router.cost_model import CostModel
 from router.policy import NodeLoad, Plan, Policy, RouteRequest, policies
 from router.contract.chat_template import ChatTemplateError
-from router.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Token
+from router.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Token, Usage
 from router.fleet import admit, kind_of, pools_of, transfer_nodes, with_own_pools
 from router.worker_client import WorkerClient, WorkerUnreachable
 from store.keys import TOKEN_DTYPE, BlockKey, Namespace, chain_from
@@ -261,8 +261,7 @@ class Router:
                             emitted.append(event.token)
                         if isinstance(event, Done):
                             event = _resumed_usage(event, len(emitted) - event.usage.completion_tokens)
-                            u = event.usage
-                            self.metrics.observe_usage(u.prompt_tokens, u.cached_tokens, u.fetched_tokens, u.fetched_bytes)
+                            self._observe(plan, event.usage)
                         yield event
                 return
             except WorkerUnreachable as err:
@@ -278,6 +277,11 @@ class Router:
             yield refused
             return
         raise ServiceUnavailable(f"no worker answered after {len(excluded)} attempts", code="workers_failed")
+
+    def _observe(self, plan: Plan, u: Usage) -> None:
+        self.metrics.observe_usage(u.prompt_tokens, u.cached_tokens, u.fetched_tokens, u.fetched_bytes)
+        block_size = self.config.namespace.block_size
+        self.metrics.observe_plan(plan.hit_blocks(u.prompt_tokens, block_size), u.cached_tokens // block_size)
 
     def _worker_request(self, prepared: Prepared, plan: Plan, emitted: list[int]) -> GenerateRequest:
         """The request for one attempt; a resumed one asks for the rest after the tokens already emitted."""

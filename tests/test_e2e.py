@@ -165,18 +165,26 @@ def test_worker_sigkill_is_survived(cluster, client):
     assert complete(client, prompt, salt="sigkill").usage.completion_tokens == 12
 
 
+def _metrics(router_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{router_url}/metrics") as reply:
+        text = reply.read().decode()
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
 def test_metrics_report_requests_hits_and_the_index(cluster, client):
+    missed_before = _metrics(cluster.router_url).get("prefixpool_missed_hit_blocks_total", 0.0)
     complete(client, SHARED + "metrics", salt="metrics")
     complete(client, SHARED + "metrics again", salt="metrics")
-    with urllib.request.urlopen(f"{cluster.router_url}/metrics") as reply:
-        text = reply.read().decode()
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    values = _metrics(cluster.router_url)
     assert values['prefixpool_requests_total{endpoint="/v1/completions",status="200"}'] >= 2
     assert values["prefixpool_cached_tokens_total"] > 0
     assert values["prefixpool_ttft_seconds_count"] >= 2
     assert values["prefixpool_index_keys"] > 0
     assert values["prefixpool_workers"] >= 1
     assert values["prefixpool_hit_fraction_count"] >= 2
+    # plans counted on blocks; whatever the second request's plan counted on, the worker reused
+    assert values["prefixpool_planned_hit_blocks_total"] > 0
+    assert values["prefixpool_missed_hit_blocks_total"] == missed_before
 
 
 def test_live_trace_replay_reuses_the_traces_prefixes(cluster):

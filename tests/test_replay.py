@@ -1,5 +1,6 @@
 """Trace replay (simulated): the ordering the issue names, on a slice of the real trace."""
 
+import dataclasses
 import json
 
 import pytest
@@ -72,3 +73,23 @@ def test_cli_writes_report_and_plots(tmp_path, capsys):
     assert {p.name for p in tmp_path.glob("*.png")} == {
         "replay_synthetic_ttft_cdf.png", "replay_synthetic_hit_vs_capacity.png", "replay_synthetic_node_load.png"}
     assert (tmp_path / "replay_synthetic.md").read_text().startswith("### synthetic")
+
+
+def test_the_bound_with_lru_caches_evicts_a_chains_tail_first():
+    from cluster.replay.trace import TraceRecord
+
+    records = [TraceRecord(0, 1024, 1, (1, 2)), TraceRecord(1, 1024, 1, (3, 4)), TraceRecord(2, 1024, 1, (1, 2))]
+    # after the first two requests the LRU order is 2, 1, 4, 3 (each request's head touched last)
+    assert hit_rate_bound(records, capacity_blocks=4) == pytest.approx(1024 / 3072)  # 1, 2 both kept
+    assert hit_rate_bound(records, capacity_blocks=3) == pytest.approx(512 / 3072)  # 2 evicted: the head 1 hits
+    assert hit_rate_bound(records, capacity_blocks=2) == 0.0
+    assert hit_rate_bound(records, capacity_blocks=None) == hit_rate_bound(records)
+
+
+def test_the_lru_bound_agrees_with_the_simulated_pool_when_prefill_is_instant():
+    records = load_trace("conversation", limit=600)
+    instant = dataclasses.replace(COSTS, prefill_tokens_per_s=1e12, attention_s_per_token_pair=0.0)
+    for capacity in (1000, 4000):
+        simulated = simulate(records, "cost_local", SimConfig(num_nodes=1, capacity_blocks=capacity, costs=instant))
+        assert hit_rate_bound(records, capacity_blocks=capacity) == pytest.approx(simulated.hit_rate, abs=3e-3)
+    assert hit_rate_bound(records, capacity_blocks=4000) < hit_rate_bound(records) / 2  # the slice's reuse is far apart

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -139,19 +140,26 @@ def _lower_tiers(nodes: dict[str, SimNode], keys: Sequence[BlockKey], matches: d
     return {name: lower for name, num in matches.items() if (lower := nodes[name].lower_blocks(keys[:num]))}
 
 
-def hit_rate_bound(records: list[TraceRecord], num_nodes: int = 1, seed: int = 0) -> float:
-    """Block-level prefix hits with infinite caches, as a fraction of input tokens.
+def hit_rate_bound(records: list[TraceRecord], num_nodes: int = 1, seed: int = 0,
+                   capacity_blocks: int | None = None) -> float:
+    """Block-level prefix hits with no timing, as a fraction of input tokens.
 
-    One node: the bound. Several: each request goes to one at random (seeded), which is what
-    routing by chance (round robin, in arrival order) gets."""
+    One node with infinite cache: the bound. Several: each request goes to one at random
+    (seeded), which is what routing by chance (round robin, in arrival order) gets.
+    `capacity_blocks`: each node an LRU of that many blocks, a request's blocks touched tail
+    first (as vLLM and store.pool free them), so a chain's head is evicted last."""
     rng = random.Random(seed)
-    seen: list[set[int]] = [set() for _ in range(num_nodes)]
+    caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_nodes)]
     hits = 0
     for record in records:
-        node = seen[rng.randrange(num_nodes)]
+        cache = caches[rng.randrange(num_nodes)]
         k = 0
-        while k < len(record.hash_ids) and record.hash_ids[k] in node:
+        while k < len(record.hash_ids) and record.hash_ids[k] in cache:
             k += 1
         hits += min(k * TRACE_BLOCK_TOKENS, record.input_length)
-        node.update(record.hash_ids)
+        for hash_id in reversed(record.hash_ids):
+            cache[hash_id] = None
+            cache.move_to_end(hash_id)
+        while capacity_blocks is not None and len(cache) > capacity_blocks:
+            cache.popitem(last=False)
     return hits / sum(r.input_length for r in records)
