@@ -11,7 +11,14 @@ Each row moves about `total-mib` of blocks of one size from a holder process
 to a receiver process over 127.0.0.1 (the same 256 MiB arena, sent again and
 again), after one untimed warm-up pass. Every mover's data is verified: the
 receiver's arena must hash (xxh3-64) to what the holder sent; ours also checks
-each block's checksum on the way. One run, one table, ratios to the raw
+each block's checksum on the way. "raw socket" moves bare payloads (one digest of
+the whole arena, untimed, at the end); "raw + xxh3" does what ours does
+per block with no protocol around it: the sender hashes each block and sends the
+8-byte checksum before it, the receiver hashes it on arrival and compares. Ours
+hashes a block on the holder once (the untimed warm-up pass) and reuses that
+checksum on later sends (store/checksums.py); the receiver hashes every block.
+"TCP rehashing" is ours with the holder hashing every block on every send, as
+before that cache. One run, one table, ratios to the raw
 socket (the ceiling here) and to Mooncake's TransferEngine over TCP
 (`batch_transfer_sync_write`, every block of a pass in one call).
 """
@@ -26,6 +33,7 @@ import os
 import signal
 import socket
 import statistics
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -48,7 +56,8 @@ from store.pool import BlockPool  # noqa: E402
 from scripts.native_logs import send_native_logs_to  # noqa: E402
 
 BLOCK_SIZES = {"256 KiB": 256 << 10, "2 MiB": 2 << 20, "16 MiB": 16 << 20}
-MOVERS = ("raw socket", "prefixpool TCP", "prefixpool UCX", "Mooncake TCP")
+MOVERS = ("raw socket", "raw + xxh3", "prefixpool TCP", "TCP rehashing", "prefixpool UCX", "Mooncake TCP")
+CHECKSUM = struct.Struct("<Q")
 
 
 def arena_for(block_bytes: int, arena_bytes: int) -> KVArena:
@@ -100,7 +109,7 @@ def enter(ns: str | None) -> None:
 # --- holders (child processes) ---------------------------------------------
 
 
-def raw_holder(conn, place: Placement, block_bytes: int, arena_bytes: int, passes: int) -> None:
+def raw_holder(conn, place: Placement, block_bytes: int, arena_bytes: int, passes: int, verified: bool) -> None:
     enter(place.holder_ns)
     arena = filled_arena(block_bytes, arena_bytes)
     view = raw_view(arena)
@@ -110,13 +119,24 @@ def raw_holder(conn, place: Placement, block_bytes: int, arena_bytes: int, passe
     with sock:
         for _ in range(passes):
             for offset in range(0, arena_bytes, block_bytes):
-                sock.sendall(view[offset : offset + block_bytes])
+                block = view[offset : offset + block_bytes]
+                if verified:
+                    sock.sendall(CHECKSUM.pack(xxhash.xxh3_64_intdigest(block)))
+                sock.sendall(block)
         sock.recv(1)
 
 
-def transfer_holder(conn, place: Placement, scheme: str, block_bytes: int, arena_bytes: int) -> None:
+def transfer_holder(conn, place: Placement, scheme: str, block_bytes: int, arena_bytes: int, rehash: bool) -> None:
     enter(place.holder_ns)
     from transfer import serve
+    from transfer.source import BlockSource
+
+    class RehashingSource(BlockSource):
+        """The holder as it was before store/checksums.py: every send hashes its blocks again."""
+
+        async def pin(self, keys):
+            self.blocks.checksums.forget(range(self.blocks.num_blocks))
+            return await super().pin(keys)
 
     async def main() -> None:
         arena = filled_arena(block_bytes, arena_bytes)
@@ -125,7 +145,8 @@ def transfer_holder(conn, place: Placement, scheme: str, block_bytes: int, arena
         blocks.allocate(hold, arena.num_blocks)
         blocks.commit(hold, 0, keys_for(arena.num_blocks))
         blocks.release(hold)
-        server = await serve(blocks, arena, f"{scheme}://{place.holder_address}:0")
+        source = RehashingSource(blocks, arena) if rehash else None
+        server = await serve(blocks, arena, f"{scheme}://{place.holder_address}:0", source=source)
         conn.send((server.url, digest(arena)))
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # the pipe, not the pool
         await server.close()
@@ -162,29 +183,43 @@ def start(target, *args):
     return process, here
 
 
-def run_raw(place: Placement, block_bytes: int, arena_bytes: int, passes: int) -> tuple[float, bool]:
-    process, conn = start(raw_holder, place, block_bytes, arena_bytes, passes + 1)
+def recv_exactly(sock: socket.socket, buffer: memoryview) -> None:
+    got = 0
+    while got < buffer.nbytes:
+        got += sock.recv_into(buffer[got:], buffer.nbytes - got, socket.MSG_WAITALL)
+
+
+def run_raw(place: Placement, block_bytes: int, arena_bytes: int, passes: int, verified: bool = False) -> tuple[float, bool]:
+    process, conn = start(raw_holder, place, block_bytes, arena_bytes, passes + 1, verified)
     port, expected = conn.recv()
     arena = arena_for(block_bytes, arena_bytes)
-    view = raw_view(arena)
+    view, header, intact = raw_view(arena), memoryview(bytearray(CHECKSUM.size)), True
     with socket.create_connection((place.holder_address, port)) as sock:
         elapsed = 0.0
         for number in range(passes + 1):
             began = time.perf_counter()
             for offset in range(0, arena_bytes, block_bytes):
-                block, got = view[offset : offset + block_bytes], 0
-                while got < block_bytes:
-                    got += sock.recv_into(block[got:], block_bytes - got, socket.MSG_WAITALL)
+                block = view[offset : offset + block_bytes]
+                if verified:
+                    recv_exactly(sock, header)
+                recv_exactly(sock, block)
+                if verified:
+                    intact &= CHECKSUM.unpack(header)[0] == xxhash.xxh3_64_intdigest(block)
             elapsed += (time.perf_counter() - began) if number else 0.0
         sock.sendall(b"x")
     process.join()
-    return elapsed, digest(arena) == expected
+    return elapsed, intact and digest(arena) == expected
 
 
-def run_ours(scheme: str, place: Placement, block_bytes: int, arena_bytes: int, passes: int) -> tuple[float, bool]:
+def run_raw_verified(*args) -> tuple[float, bool]:
+    return run_raw(*args, verified=True)
+
+
+def run_ours(scheme: str, place: Placement, block_bytes: int, arena_bytes: int, passes: int,
+             rehash: bool = False) -> tuple[float, bool]:
     from transfer import Fetcher
 
-    process, conn = start(transfer_holder, place, scheme, block_bytes, arena_bytes)
+    process, conn = start(transfer_holder, place, scheme, block_bytes, arena_bytes, rehash)
     url, expected = conn.recv()
     arena = arena_for(block_bytes, arena_bytes)
     keys = keys_for(arena.num_blocks)
@@ -233,11 +268,16 @@ def run_tcp(*args) -> tuple[float, bool]:
     return run_ours("tcp", *args)
 
 
+def run_tcp_rehashing(*args) -> tuple[float, bool]:
+    return run_ours("tcp", *args, rehash=True)
+
+
 def run_ucx(*args) -> tuple[float, bool]:
     return run_ours("ucx", *args)
 
 
-RUNNERS = {"raw socket": run_raw, "prefixpool TCP": run_tcp, "prefixpool UCX": run_ucx, "Mooncake TCP": run_mooncake}
+RUNNERS = {"raw socket": run_raw, "raw + xxh3": run_raw_verified, "prefixpool TCP": run_tcp,
+           "TCP rehashing": run_tcp_rehashing, "prefixpool UCX": run_ucx, "Mooncake TCP": run_mooncake}
 
 
 def receiver(conn, mover: str, place: Placement, *args) -> None:
@@ -275,17 +315,20 @@ def main() -> None:
         table(args, place, f"across two network namespaces on a veth bridge ({hosts[0].address} -> {hosts[1].address})")
 
 
+BASELINES = ("raw socket", "raw + xxh3", "Mooncake TCP")  # the ratio columns: best of ours to each
+
+
 def table(args: argparse.Namespace, place: Placement, where: str) -> None:
     movers = [m for m in MOVERS if m in args.movers.split(",")]
     arena_bytes = args.arena_mib << 20
     passes = max(1, args.total_mib // args.arena_mib)
     moved = passes * arena_bytes
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"{where}, {moved >> 20} MiB timed per row ({passes} passes over a {args.arena_mib} MiB arena), GB/s"
           f"{f', median of {args.repeat} interleaved runs' if args.repeat > 1 else ''}")
-    print(f"{os.cpu_count()} CPUs, load average at start {load}\n")
-    print("| block | " + " | ".join(movers) + " | best ours / raw | best ours / Mooncake | verified |")
-    print("|---" * (len(movers) + 4) + "|")
+    print(f"{os.cpu_count()} CPUs, load average at start {load_average()}\n")
+    print("| block | " + " | ".join(movers) + "".join(f" | best ours / {b}" for b in BASELINES) + " | verified |")
+    print("|---" * (len(movers) + len(BASELINES) + 2) + "|")
+    every_run = []
     for label, block_bytes in BLOCK_SIZES.items():
         if label not in args.blocks.split(","):
             continue
@@ -298,8 +341,14 @@ def table(args: argparse.Namespace, place: Placement, where: str) -> None:
         rates = {mover: statistics.median(rates) for mover, rates in samples.items()}
         best = max(rates.get("prefixpool TCP", 0.0), rates.get("prefixpool UCX", 0.0))
         cells = " | ".join(f"{rates[m]:.2f}" for m in movers)
-        ratios = " | ".join(f"{best / rates[m]:.2f}x" if m in rates else "-" for m in ("raw socket", "Mooncake TCP"))
+        ratios = " | ".join(f"{best / rates[m]:.2f}x" if m in rates else "-" for m in BASELINES)
         print(f"| {label} | {cells} | {ratios} | {'yes' if verified else 'NO'} |", flush=True)
+        every_run.append(f"{label}: " + "; ".join(f"{m} " + " / ".join(f"{r:.2f}" for r in samples[m]) for m in movers))
+    print(f"\nload average at end {load_average()}; every run, in order:\n" + "\n".join(every_run))
+
+
+def load_average() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ free, allocate, commit and pin): every other part holds blocks through it.
     blocks.release(hold, keep=0)      free the hold's blocks after the first `keep`, tail first
     blocks.promote(keys)              lift the host/SSD run after the device prefix into device blocks
     blocks.pin / unpin / refresh_soft TTL pins from the registry (store/pins.py), applied to the pool
+    blocks.checksums                  committed blocks' payload checksums (store/checksums.py),
+                                      forgotten here whenever a block is allocated to be written
 
     who holds        engine: one hold per admitted request, until it finishes
                      transfer source: one per fetch served, while its records stream out
@@ -31,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from store.checksums import BlockChecksums
 from store.keys import BlockKey
 from store.pins import NamedPin, PrefixPins, SoftPinChange
 from store.pool import BlockPool, PoolExhausted
@@ -52,6 +55,7 @@ class NodeBlocks:
         self.pool = pool
         self.tiers: TierChain | NoTiers = NoTiers() if tiers is None else tiers
         self.pins = PrefixPins() if pins is None else pins
+        self.checksums = BlockChecksums()
         self._holds: set[Hold] = set()
         self._journal = TierChanges()
 
@@ -117,6 +121,7 @@ class NodeBlocks:
         """Append `num` fresh blocks to the hold, all or nothing (PoolExhausted); the keys evicted."""
         assert hold in self._holds, "allocate into a released hold"
         alloc = self.pool.allocate(num)
+        self.checksums.forget(alloc.block_ids)
         if alloc.evicted:
             self.tiers.demote(alloc, self._journal)
         hold.block_ids.extend(alloc.block_ids)
@@ -177,6 +182,7 @@ class NodeBlocks:
             if err.available == 0:
                 return
             alloc = self.pool.allocate(err.available)
+        self.checksums.forget(alloc.block_ids)
         victims = self.tiers.stage(alloc)
         for block_id, source in zip(alloc.block_ids, sources):
             self.tiers.lift(block_id, source, changes)
@@ -262,6 +268,8 @@ class NodeBlocks:
                 expected[pin.block_id] += 1
         for block_id, (want, have) in enumerate(zip(expected, pool.ref_count)):
             assert want == have, f"block {block_id}: ref_count {have}, holds and pins account for {want}"
+            assert block_id not in self.checksums or pool.key_of[block_id] is not None, \
+                f"block {block_id} has a checksum but no key: it was never committed"
         now = pool.clock()
         for key, pin in pool.pins.items():
             if pin.expires_at > now:

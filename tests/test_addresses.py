@@ -4,6 +4,8 @@ Workers put their advertised URLs in their node records, routers theirs in their
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import subprocess
 from urllib.parse import urlsplit
@@ -12,6 +14,8 @@ import pytest
 
 from cluster.deploy.addresses import AddressError, advertise_host, bind_host, interface_of, route_source
 from cluster.deploy.processes import python_argv, spawn
+from cluster.deploy.vllm_fleet import add_vllm_arguments, on_node, vllm_config
+from cluster.vllm.server import bound_host
 from tests.conftest import etcdctl_get_prefix
 
 REMOTE_ETCD = "198.18.250.1:2379"  # benchmarking range: routed (by default route) but never contacted
@@ -67,3 +71,34 @@ def test_router_puts_its_advertised_url_in_its_etcd_entry(etcd, ns, tmp_path, fl
         router.stop()
     assert [json.loads(value)["url"] for value in kvs.values()] == [router.url]
     assert urlsplit(router.url).hostname == host
+
+
+def vllm_args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_vllm_arguments(parser)  # the flags of `prefixpool up --vllm` and `prefixpool ray up --vllm`
+    return parser.parse_args(["--vllm", "1", "--model-path", "/models/tiny", *flags])
+
+
+def test_vllm_binds_by_the_address_rules_when_no_host_is_given():
+    config = vllm_config(vllm_args())
+    assert config.host == ""
+    local = on_node(config, "vllm-0", "127.0.0.1:2379", connector=True)
+    assert local.host == "127.0.0.1"  # `prefixpool up --vllm`: its etcd is on loopback
+    assert json.loads(local.kv_transfer_config)["kv_connector_extra_config"]["host"] == "127.0.0.1"
+    assert bound_host(config) == "127.0.0.1"  # a server started without the rules (no etcd known)
+
+
+def test_vllm_with_a_remote_etcd_and_no_host_binds_the_address_routing_to_it():
+    config = vllm_config(vllm_args())
+    try:
+        expected = route_source("198.18.250.1")
+    except AddressError:
+        pytest.skip("this machine has no route towards 198.18.0.0/15 at all")
+    assert on_node(config, "vllm-0", REMOTE_ETCD, connector=False).host == expected
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "198.18.250.7"])
+def test_a_given_vllm_host_is_bound_as_given(host):
+    config = dataclasses.replace(vllm_config(vllm_args()), host=host)
+    assert on_node(config, "vllm-0", REMOTE_ETCD, connector=False).host == host
+    assert on_node(config, "vllm-0", "127.0.0.1:2379", connector=False).host == host

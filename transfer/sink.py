@@ -119,7 +119,10 @@ class BlockSink:
         if self._staging is not None:
             self.arena.write_bytes(self.hold.block_ids[index], payload)
             self._staging.give_back(index)
-        if not self.blocks.commit(self.hold, index, [header.key]):
+        block_id = self.hold.block_ids[index]
+        if self.blocks.commit(self.hold, index, [header.key]):
+            self.blocks.checksums.remember(block_id, header.checksum)  # verified: serving it on needs no hash
+        else:
             self.blocks.adopt(self.hold, index, header.key)  # a concurrent fetch committed this key first
         self.num_committed += 1
         return True

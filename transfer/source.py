@@ -23,7 +23,7 @@ from typing import AsyncIterator, Sequence
 from store.arena import KVArena
 from store.keys import BlockKey
 from store.node_blocks import Hold, NodeBlocks
-from store.record import RecordHeader, header_for
+from store.record import RecordHeader
 from transfer.host_bytes import host_blocks
 
 
@@ -82,7 +82,8 @@ class BlockSource:
         return self.arena.read_bytes(block_id)
 
     async def records(self, outgoing: Outgoing) -> AsyncIterator[tuple[RecordHeader, memoryview]]:
-        """(header, payload) per block, in key order, checksummed as they are produced."""
+        """(header, payload) per block, in key order; a block's checksum is computed on its first send only."""
+        checksums = self.blocks.checksums
         for key, block_id in zip(outgoing.keys, outgoing.block_ids):
             payload = self.payload(block_id)
-            yield header_for(key, payload), payload
+            yield RecordHeader(key, payload.nbytes, checksums.of(block_id, payload)), payload

@@ -10,7 +10,8 @@ nothing else: a worker actor asks for one GPU where the cluster has GPUs,
 workers go round-robin over the nodes (node affinity), the router and etcd sit on the head node.
 etcd listens on the head's node address (loopback on a one-node cluster) at a
 fixed port with a fixed data dir, so a restarted etcd actor is the same
-endpoint with the same data; `down` removes that dir.
+endpoint with the same data; `down` removes that dir by its recorded path,
+whatever state the actor is in (cluster.deploy.ray_etcd_data).
 Actors restart on death (max_restarts); a restarted worker re-registers in
 etcd under a new lease and the router learns of it through its mirror. The
 child dies with its actor (PR_SET_PDEATHSIG), so a killed actor leaves no
@@ -20,7 +21,6 @@ orphan. Knows nothing of engines or routing.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 
@@ -28,6 +28,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.deploy.janitor import OwnedTempDir
+from cluster.deploy import ray_etcd_data
 from cluster.deploy.processes import STOP_TIMEOUT_S, Child, python_argv, spawn
 from cluster.deploy.vllm_fleet import model_args, on_node, sidecar_args, vllm_temp_dir
 from cluster.vllm.server import VllmConfig, VllmServer
@@ -36,9 +37,8 @@ NAMESPACE = "prefixpool"
 class ProcessActor:
     """Runs one prefixpool component as a child process for as long as the actor lives."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], remove_on_stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
         self.log_dir = OwnedTempDir(f"prefixpool-{name}-")  # removed even if Ray SIGKILLs this actor
-        self.remove_on_stop = remove_on_stop  # kept across restarts (etcd's data), removed by `ray down`
         self.child: Child = spawn(name, python_argv(*args), self.log_dir.path, env)
 
     def supervisor_pid(self) -> int:
@@ -60,8 +60,6 @@ class ProcessActor:
         """SIGTERM the component: it drains (finishes what it admitted) and exits, as on Kubernetes."""
         self.child.stop()
         self.log_dir.close()
-        for path in self.remove_on_stop:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 class VllmActor(ProcessActor):
@@ -70,7 +68,6 @@ class VllmActor(ProcessActor):
     def __init__(self, name: str, config: VllmConfig, etcd_endpoints: str, env: dict[str, str],
                  connector: bool = False) -> None:
         self.log_dir = OwnedTempDir(f"prefixpool-{name}-")
-        self.remove_on_stop = ()
         config = on_node(config, name, etcd_endpoints, connector)
         self.server = VllmServer.start(config, self.log_dir.path, name, temp=vllm_temp_dir())
         self.child = spawn(f"{name}-sidecar", python_argv(*sidecar_args(name, self.server, etcd_endpoints, config)),
@@ -146,7 +143,8 @@ def _start_etcd(port: int, data_dir: str, env: dict[str, str]) -> str:
     data_dir = data_dir or f"{tempfile.gettempdir()}/prefixpool-ray-etcd-{port}"
     args = ["etcd", "--host", _head_address(), "--client-port", str(port), "--peer-port", str(port + 1),
             "--data-dir", data_dir]
-    etcd = _actor("etcd", on_head=True).remote("etcd", args, env, (data_dir,))
+    ray_etcd_data.record(data_dir, _head_node_id())  # before the actor: `down` finds it even if it never starts
+    etcd = _actor("etcd", on_head=True).remote("etcd", args, env)
     return ray.get(etcd.url.remote())
 
 
@@ -183,7 +181,7 @@ def up(num_workers: int, *, etcd_endpoints: str = "", etcd_port: int = 2379, etc
 
 
 def down() -> list[str]:
-    """Stop and remove every prefixpool actor; returns the names removed."""
+    """Stop and remove every prefixpool actor, then the etcd actor's data dir; returns what was removed."""
     removed = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] != NAMESPACE:
@@ -195,6 +193,8 @@ def down() -> list[str]:
             pass  # already dead: killing it below is all that is left to do
         ray.kill(actor, no_restart=True)
         removed.append(entry["name"])
+    if (data_dir := ray_etcd_data.remove()) is not None:
+        removed.append(f"etcd data dir {data_dir}")
     return removed
 
 

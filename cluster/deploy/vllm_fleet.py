@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from cluster.deploy.addresses import bind_host
-
 from cluster.deploy.janitor import OwnedTempDir
 from cluster.vllm.connector_config import kv_transfer_json
 from cluster.vllm.server import DEFAULT_PYTHON, TOPIC, VllmConfig, VllmServer
@@ -29,9 +28,9 @@ def vllm_temp_dir() -> OwnedTempDir:
 
 def on_node(config: VllmConfig, node_id: str, etcd_endpoints: str, connector: bool,
             settings: Mapping[str, Any] | None = None) -> VllmConfig:
-    """`config` for the vLLM server of `node_id`: bound where peers reach it (loopback with a loopback
-    etcd, else the interface routing to etcd), and with PrefixPoolConnector when `connector` is set."""
-    host = config.host if config.host != "127.0.0.1" else bind_host("", etcd_endpoints)
+    """`config` for the vLLM server of `node_id`: bound where asked, else where peers reach it (loopback
+    with a loopback etcd, else the interface routing to etcd), with PrefixPoolConnector when `connector` is set."""
+    host = bind_host(config.host, etcd_endpoints)
     config = dataclasses.replace(config, host=host)
     if not connector:
         return config

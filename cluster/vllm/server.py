@@ -58,9 +58,14 @@ class VllmConfig:
     memory_fraction: float = 0.2  # on the CPU backend: of host memory
     num_blocks: int = 0  # 0: as many as the memory fraction allows
     python: str = str(DEFAULT_PYTHON)
-    host: str = "127.0.0.1"  # the address vLLM binds (a test host's, in a network namespace)
+    host: str = ""  # the address vLLM binds; "": by the address rules (vllm_fleet.on_node), loopback without them
     kv_transfer_config: str = ""  # JSON for --kv-transfer-config (connector_config.kv_transfer_json); "" = none
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def bound_host(config: VllmConfig) -> str:
+    """Where the server listens: the host given (or resolved by on_node); loopback when none is."""
+    return config.host or "127.0.0.1"
 
 
 def free_port() -> int:
@@ -73,7 +78,7 @@ def argv(config: VllmConfig, port: int, events: str, replay: str) -> list[str]:
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                  "replay_endpoint": replay, "topic": TOPIC}
     args = [config.python, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model_path,
-            "--served-model-name", config.served_name, "--host", config.host, "--port", str(port),
+            "--served-model-name", config.served_name, "--host", bound_host(config), "--port", str(port),
             "--block-size", str(config.block_size), "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
             "--gpu-memory-utilization", str(config.memory_fraction), "--enforce-eager", "--enable-prefix-caching",
             "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events)]
@@ -136,7 +141,7 @@ class VllmServer:
                                        preexec_fn=_own_group_dying_with_parent)
         if temp is not None:
             temp.kill_group_if_orphaned(process.pid)  # its own group: setsid in the child
-        return cls(process, f"http://{config.host}:{port}", events, replay, log_path, temp)
+        return cls(process, f"http://{bound_host(config)}:{port}", events, replay, log_path, temp)
 
     @property
     def pid(self) -> int:
