@@ -81,7 +81,7 @@ class PrefixPoolConnector(KVConnectorBase_V1):
         self.worker.load(metadata.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole (all layers) before the forward pass
+        self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saved whole in wait_for_save, once the step's KV is written
@@ -90,6 +90,9 @@ class PrefixPoolConnector(KVConnectorBase_V1):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, PrefixPoolMetadata)
         self.worker.save(metadata.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self.worker.finished_loads()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_invalid()
@@ -108,7 +111,7 @@ class PrefixPoolConnector(KVConnectorBase_V1):
         lora = request.lora_request.lora_name if request.lora_request is not None else None
         num = self.scheduler.num_matched(request.request_id, list(request.prompt_token_ids), request.cache_salt,
                                          lora, num_computed_tokens)
-        return num, False
+        return num, bool(num) and self.scheduler.loads_in_background(request.request_id)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self.scheduler.allocated(request.request_id, num_external_tokens)
