@@ -1,7 +1,8 @@
 """The pool beside one vLLM server: its blocks in host memory (and SSD), served to peers, published in etcd.
 
     save(keys, vllm_ids)           vLLM blocks not yet held -> fresh pool blocks -> commit -> publish
-                                   (ssd_write_through: and queued for the SSD at once, not on eviction)
+                                   (ssd_write_through: and queued for the SSD at once, not on eviction;
+                                   fetched blocks go down on eviction only: the peer's SSD has them)
     prepare(keys, peer) -> Prepared
         promote   the SSD run after the host prefix comes up
         fetch     the rest from `peer` (a hint: it sends what it still has, each block checksummed)
@@ -86,7 +87,8 @@ class PoolNode:
         self.config, self.paged, self.namespace = config, paged, namespace
         self.arena = KVArena(paged.arena_shape(config.pool_blocks), paged.dtype, "cpu")
         disk = _disk(config, self.arena)
-        self.blocks = NodeBlocks(BlockPool(config.pool_blocks), TierChain(self.arena, disk=disk) if disk else None)
+        tiers = TierChain(self.arena, disk=disk) if disk is not None else None  # not `if disk`: an empty tier is falsy
+        self.blocks = NodeBlocks(BlockPool(config.pool_blocks), tiers)
         self.write_through = disk if config.ssd_write_through else None
         self.source = pool_source(self.blocks, self.arena, config.fault_file)
         self.fetcher = Fetcher(config.token)
