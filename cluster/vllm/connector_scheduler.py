@@ -152,7 +152,9 @@ class SchedulerSide:
 
     def step(self, scheduled: dict[str, int], requests: dict[str, object], block_ids) -> tuple[list[LoadOp], list[SaveOp]]:
         """This step's loads and saves; `scheduled` = tokens per request, `block_ids(request_id)` its vLLM blocks."""
-        loads = [LoadOp(rid, plan.keys, first, block_ids(rid)[first: len(plan.keys)], plan.peer_url, background)
+        # a request vLLM schedules in this very step did not go to WAITING_FOR_REMOTE_KVS: load it now
+        loads = [LoadOp(rid, plan.keys, first, block_ids(rid)[first: len(plan.keys)], plan.peer_url,
+                        background and rid not in scheduled)
                  for rid, (plan, first, background) in self._loads.items()]
         self._loads.clear()
         saves = []
