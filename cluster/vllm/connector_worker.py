@@ -135,7 +135,7 @@ class WorkerSide:
                 num_new = prepared.num_new(op.first)
                 pool_ids += prepared.hold.block_ids[op.first: op.first + num_new]
                 vllm_ids += op.block_ids[:num_new]
-            self._account(op, prepared and Loaded(prepared.num_blocks, prepared.num_fetched, prepared.num_bytes))
+            self._account(op, prepared.loaded() if prepared is not None else None)
         self._layer_load = LayerLoad(self.node.paged, self.node.arena, pool_ids, vllm_ids, self._copier)
 
     def _prepare(self, op: LoadOp) -> Prepared | None:
@@ -154,7 +154,8 @@ class WorkerSide:
 
     def _account(self, op: LoadOp, loaded: Loaded | None) -> None:
         if loaded is None:
-            log.warning("load for %s passed its deadline: %d blocks recomputed", op.request_id, len(op.block_ids))
+            log.warning("load for %s failed or passed its deadline: %d blocks recomputed", op.request_id,
+                        len(op.block_ids))
             self._invalid.update(op.block_ids)
             return
         num_new = max(0, loaded.num_blocks - op.first)

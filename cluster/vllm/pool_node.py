@@ -73,6 +73,9 @@ class Prepared:
         """Blocks beyond the `first` vLLM already has."""
         return max(0, self.num_blocks - first)
 
+    def loaded(self) -> Loaded:
+        return Loaded(self.num_blocks, self.num_fetched, self.num_bytes)
+
 
 def _disk(config: ConnectorConfig, arena: KVArena) -> DiskTier | None:
     if config.disk_tier_blocks <= 0:
@@ -174,7 +177,7 @@ class PoolNode:
             if not may_copy():  # vLLM gave up on this load: its blocks are being recomputed
                 return Loaded(first, prepared.num_fetched, prepared.num_bytes)
             self.paged.load(self.arena, prepared.hold.block_ids[first:], vllm_ids[: prepared.num_new(first)])
-            return Loaded(prepared.num_blocks, prepared.num_fetched, prepared.num_bytes)
+            return prepared.loaded()
         finally:
             self.release(prepared)
 
