@@ -17,8 +17,9 @@
 The lease is the pool's, not the sidecar's: the pool lives in the vLLM
 process and its blocks die with it, while the sidecar's lease follows vLLM's
 health and its prefix cache. Every method runs on one event loop (LoopThread):
-the transfer server serves peers between vLLM's calls. Knows nothing of vLLM's
-scheduler or of the router.
+the transfer server serves peers between vLLM's calls. Only a layer-wise load
+reads the arena from another thread (the worker's copy thread), and only blocks
+a Prepared hold pins. Knows nothing of vLLM's scheduler or of the router.
 """
 
 from __future__ import annotations
