@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.02  # at most this long, and only in a step that computes nothing
 
 
 def _log_like_vllm() -> None:
@@ -48,6 +49,7 @@ def _log_like_vllm() -> None:
 class PrefixPoolMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    idle: bool = False  # the step computes nothing: vLLM only polls (e.g. for a background load)
 
 
 def _poolable(request: "Request") -> bool:
@@ -92,7 +94,11 @@ class PrefixPoolConnector(KVConnectorBase_V1):
         self.worker.save(metadata.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self.worker.finished_loads()
+        """In a step with nothing to compute, wait a moment for a background load rather than let
+        vLLM's engine loop spin (it would take the GIL from the thread that receives the blocks)."""
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, PrefixPoolMetadata)
+        return None, self.worker.finished_loads(IDLE_WAIT_S if metadata.idle else 0.0)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_invalid()
@@ -123,7 +129,7 @@ class PrefixPoolConnector(KVConnectorBase_V1):
             return manager.get_block_ids(request_id)[0]
 
         loads, saves = self.scheduler.step(scheduler_output.num_scheduled_tokens, self._requests, block_ids)
-        return PrefixPoolMetadata(loads, saves)
+        return PrefixPoolMetadata(loads, saves, idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)

@@ -117,8 +117,12 @@ class WorkerSide:
         if now:
             self._start_layer_load(now)
 
-    def finished_loads(self) -> set[str]:
-        """Requests whose background load ended since the last call (all blocks, some, or none)."""
+    def finished_loads(self, wait_s: float = 0.0) -> set[str]:
+        """Requests whose background load ended since the last call (all blocks, some, or none);
+        with `wait_s`, first waits that long at most for one to end, if any is under way."""
+        if wait_s and self._background:
+            running = [job.future for job in self._background.values()]
+            concurrent.futures.wait(running, wait_s, return_when=concurrent.futures.FIRST_COMPLETED)
         ended = {request_id for request_id, job in self._background.items() if job.ended()}
         for request_id in ended:
             job = self._background.pop(request_id)
