@@ -10,9 +10,11 @@ client. Rows, each the median over --reps prompts never seen before:
   cold                 plain vLLM (no connector), a prompt it has never seen
   own prefix cache     plain vLLM, the same prompt again
   prefixpool, cold     B with PrefixPoolConnector, a prompt nobody holds (includes saving it to the pool)
-  prefixpool, peer     B loads the prompt's blocks from A's pool (A computed it) through etcd + TCP
+  prefixpool, peer     B loads the prompt's blocks from A's pool (A computed it) through etcd + TCP, in the
+                       background (vLLM's WAITING_FOR_REMOTE_KVS; the default)
+  ..., engine thread   C (async_load off) loads the same blocks from a peer before its forward pass
   ExampleConnector     vLLM's file connector (prefix caching off), the same prompt again: from local disk
-Servers run two at a time (plain + file connector, then A + B), to fit the machine.
+Servers run two or three at a time (plain + file connector, then A + B + C), to fit the machine.
 """
 
 from __future__ import annotations
@@ -112,11 +114,13 @@ def phase_local(model: Path, run_dir: Path, args) -> dict[str, list]:
 
 
 def phase_pool(model: Path, run_dir: Path, etcd: EtcdServer, args) -> dict[str, list]:
-    rows: dict[str, list] = {"prefixpool, cold (saving)": [], "prefixpool, from peer A": []}
+    rows: dict[str, list] = {"prefixpool, cold (saving)": [], "prefixpool, from peer A": [],
+                             "prefixpool, from a peer, engine thread": []}
     cluster = "b" + uuid.uuid4().hex[:8]
     configs = {name: vllm(model, kv=kv_transfer_json({"etcd_endpoints": etcd.endpoint, "cluster": cluster,
-                                                      "node_id": name, "pool_blocks": 256}))
-               for name in ("a", "b")}
+                                                      "node_id": name, "pool_blocks": 256,
+                                                      "async_load": name != "c"}))
+               for name in ("a", "b", "c")}
     servers = start(configs, run_dir)
     try:
         for rep in range(args.reps):
@@ -125,6 +129,7 @@ def phase_pool(model: Path, run_dir: Path, etcd: EtcdServer, args) -> dict[str, 
             _, _, num_tokens = ttft_ms(servers["a"].url, text)
             asyncio.run(wait_pool_blocks(etcd.endpoint, cluster, "a", (rep + 1) * ((num_tokens - 1) // BLOCK)))
             rows["prefixpool, from peer A"].append(ttft_ms(servers["b"].url, text))
+            rows["prefixpool, from a peer, engine thread"].append(ttft_ms(servers["c"].url, text))
     finally:
         for server in servers.values():
             server.stop()

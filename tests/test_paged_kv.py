@@ -8,10 +8,14 @@ at other block ids must arrive bit for bit, and touch nothing else.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 
 from cluster.vllm.connector_config import BadConnectorConfig, config_from, kv_transfer_json
+from cluster.vllm.connector_worker import Claim
+from cluster.vllm.layer_load import LayerLoad
 from cluster.vllm.paged_kv import PagedKV, UnsupportedLayout
 from store.arena import KVArena
 
@@ -45,6 +49,33 @@ def test_blocks_saved_from_one_cache_load_bit_for_bit_into_another(layout):
             assert torch.equal(block_of(target[name], layout, untouched), block_of(before[name], layout, untouched))
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_layer_wise_load_has_each_layer_in_place_once_waited_for_and_all_after_join(layout):
+    source, target = caches(LAYOUTS[layout], 1), caches(LAYOUTS[layout], 2)
+    paged_source, paged_target = PagedKV(source, NUM_BLOCKS, BLOCK), PagedKV(target, NUM_BLOCKS, BLOCK)
+    arena = KVArena(paged_source.arena_shape(4), paged_source.dtype)
+    paged_source.save([5, 1], arena, [3, 0])
+    names = paged_target.names
+    assert names == sorted(source, key=lambda n: int(n.split(".")[2]))  # model order, as vLLM calls the layers
+    with concurrent.futures.ThreadPoolExecutor(1) as copier:
+        layer_load = LayerLoad(paged_target, arena, [3, 0], [2, 4], copier)
+        for name in names:
+            layer_load.wait(name)
+            assert torch.equal(block_of(target[name], layout, 2), block_of(source[name], layout, 5))
+            assert torch.equal(block_of(target[name], layout, 4), block_of(source[name], layout, 1))
+        layer_load.wait("not.a.layer")  # vLLM may ask for a layer with nothing to load: no wait, no error
+        layer_load.join()
+    assert layer_load.waited == set(names) and layer_load.num_layers == LAYERS and layer_load.num_blocks == 2
+
+
+def test_a_background_load_is_copied_or_recomputed_never_both():
+    claim = Claim()
+    assert claim.take("recompute") and not claim.for_copy()  # past the deadline: the late copy must not write
+    claim = Claim()
+    assert claim.for_copy() and not claim.take("recompute")  # a copy under way: vLLM waits for it
+    assert claim.for_copy()
+
+
 def test_a_cache_without_a_block_dimension_is_refused():
     with pytest.raises(UnsupportedLayout):
         PagedKV({"layer.0": torch.zeros(5, HEADS, BLOCK, 2 * DIM)}, NUM_BLOCKS, BLOCK)
@@ -61,3 +92,8 @@ def test_settings_reject_unknown_keys_and_wrong_types_and_default_the_node_id():
         config_from({"pool_blocks": "many"})
     with pytest.raises(BadConnectorConfig):
         kv_transfer_json({"etcd": "x"})
+    assert config_from({"async_load": False}).async_load is False
+    with pytest.raises(BadConnectorConfig, match="async_load"):
+        config_from({"async_load": "false"})  # a string would read as true
+    with pytest.raises(BadConnectorConfig, match="ssd_write_through"):
+        config_from({"ssd_write_through": True})  # no SSD tier to write to

@@ -6,8 +6,10 @@ prefix from A's pool instead of recomputing it, and the router's plan for B
 names A's pool as the peer. The oracle for every answer is B itself asked cold:
 a fresh cache_salt puts the request in a namespace nobody holds, so vLLM
 recomputes every block. A's transfer server has a fault file (pool_faults.py)
-that the tests switch between serving normally, corrupting blocks and
-stalling mid-fetch; the last test kills A during such a stall. The tests run
+that the tests switch between serving normally, corrupting blocks, pausing
+and stalling mid-fetch; a test kills A during such a stall. B loads from A in
+the background (vLLM runs its other requests meanwhile) and from its own pool
+layer by layer; both pools write saved blocks through to their SSD tier. The tests run
 in file order on one module-scoped pair of servers (vLLM starts slowly).
 """
 
@@ -25,9 +27,10 @@ from cluster.deploy.vllm_fleet import vllm_temp_dir
 from cluster.meta.layout import Layout
 from cluster.vllm.server import VllmConfig, VllmServer
 from store.keys import Namespace, chain
+from store.tier_names import DEVICE
 from tests.conftest import etcdctl_get_prefix
 from tests.test_e2e import post
-from tests.test_vllm import BLOCK, MODEL, cached, complete, model_dir, wait_for_route  # noqa: F401 (a fixture)
+from tests.test_vllm import BLOCK, MODEL, cached, client_for, complete, model_dir, wait_for_route  # noqa: F401
 
 pytestmark = pytest.mark.timeout(1200)
 NAMESPACE = Namespace(model=MODEL, dtype="float32", block_size=BLOCK)
@@ -48,7 +51,8 @@ class Pair:
         config = VllmConfig(str(model), MODEL, BLOCK, max_model_len=1024, memory_fraction=0.05, num_blocks=96)
         self.ssd = run_dir / "ssd"
         settings = {"pool_blocks": 16, "disk_tier_dir": str(self.ssd), "disk_tier_blocks": 512,
-                    "fetch_timeout_s": 30.0, "lease_ttl_s": 60, "fault_file": str(self.fault_file)}
+                    "ssd_write_through": True, "fetch_timeout_s": 30.0, "lease_ttl_s": 60,
+                    "fault_file": str(self.fault_file)}
         self.cluster = LocalCluster(num_workers=0, vllm=config, num_vllm=2, vllm_connector=True,
                                     connector_settings=settings, log_dir=run_dir)
         self.names = {"a": "vllm-0", "b": "vllm-1"}
@@ -73,14 +77,21 @@ class Pair:
         tokens = body["tokens"]
         return chain(tokens[: (len(tokens) - 1) // BLOCK * BLOCK], NAMESPACE)
 
-    def held_by(self, name: str) -> set[bytes]:
+    def held_by(self, name: str) -> dict[bytes, str]:
+        """{key: tier} of the blocks `name`'s pool publishes in etcd."""
         _, kvs = etcdctl_get_prefix(self.etcd, Layout("default").blocks_prefix.decode())
         suffix = f"/{self.names[name]}.pool".encode()
-        return {bytes.fromhex(k.rsplit(b"/", 2)[-2].decode()) for k in kvs if k.endswith(suffix)}
+        return {bytes.fromhex(k.rsplit(b"/", 2)[-2].decode()): v.decode() for k, v in kvs.items() if k.endswith(suffix)}
+
+    def on_ssd(self, name: str) -> set[bytes]:
+        return {bytes.fromhex(p.stem) for p in (self.ssd / self.names[name]).glob("*.blk")}
+
+    def pauses(self) -> int:
+        return self.log("a").count("prefixpool fault: pausing")
 
     def wait_held(self, name: str, keys: list[bytes], timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while not set(keys) <= self.held_by(name):
+        while not set(keys) <= self.held_by(name).keys():
             assert time.monotonic() < deadline, f"{name}'s pool never published the prompt's blocks"
             time.sleep(0.2)
         time.sleep(1.0)  # B's etcd mirror follows a watch: give it the moment etcdctl already had
@@ -111,10 +122,59 @@ def test_b_loads_a_prefix_computed_on_a_and_answers_like_a_cold_recompute(pair):
     answer = complete(pair.url("b"), text)
     assert cached(answer) == len(keys) * BLOCK  # vLLM counts the connector's tokens as cached
     assert pair.loads("b")[loads_before:] == [(len(keys), len(keys), len(keys), len(keys) * BLOCK_BYTES)]
-    assert set(keys) <= pair.held_by("b")  # the fetched blocks are B's now, published under B's lease
+    assert set(keys) <= pair.held_by("b").keys()  # the fetched blocks are B's now, published under B's lease
     cold = complete(pair.url("b"), text, salt="cold-one")
     assert cached(cold) == 0
     assert answer.choices[0].text == cold.choices[0].text == first.choices[0].text
+
+
+def test_b_runs_another_request_to_its_end_while_a_prefix_loads_in_the_background(pair):
+    """Ordering, not timing: A holds B's fetch (fault "pause") until the test lets go, and
+    B's other request streams all its tokens before that; a load on vLLM's engine thread
+    would hold that stream until the fetch's deadline and then recompute."""
+    text = prompt("five")
+    keys = pair.keys(text)
+    complete(pair.url("a"), text)
+    pair.wait_held("a", keys)
+    pauses, loads_before = pair.pauses(), len(pair.loads("b"))
+    pair.fault_file.write_text("pause 2")
+    answers = []
+    asking = threading.Thread(target=lambda: answers.append(complete(pair.url("b"), text)))
+    asking.start()
+    try:
+        deadline = time.monotonic() + 120
+        while pair.pauses() == pauses:
+            assert time.monotonic() < deadline and asking.is_alive(), "B never fetched from A"
+            time.sleep(0.1)
+        stream = client_for(pair.url("b")).completions.create(
+            model=MODEL, prompt=prompt("other"), max_tokens=16, temperature=0, stream=True,
+            extra_body={"cache_salt": "other-five", "ignore_eos": True})
+        num_chunks = sum(1 for chunk in stream if chunk.choices)
+        assert num_chunks >= 16  # the other request ran to its end...
+        assert asking.is_alive() and not answers  # ...while the loading one still waited for A
+        assert pair.loads("b")[loads_before:] == []  # and its load had not ended
+    finally:
+        pair.fault_file.write_text("")
+    asking.join(180)
+    assert answers, "B never answered once A let the fetch go on"
+    assert pair.loads("b")[loads_before:] == [(len(keys), len(keys), len(keys), len(keys) * BLOCK_BYTES)]
+    assert pair.log("b").count("[background]") >= 2  # test 1's load and this one
+    assert cached(answers[0]) == len(keys) * BLOCK
+    cold = complete(pair.url("b"), text, salt="cold-five")
+    assert answers[0].choices[0].text == cold.choices[0].text
+
+
+def test_write_through_puts_saved_blocks_on_the_ssd_while_they_are_still_in_memory(pair):
+    text = prompt("six")
+    keys = pair.keys(text)
+    complete(pair.url("b"), text)
+    pair.wait_held("b", keys)
+    deadline = time.monotonic() + 60
+    while not set(keys) <= pair.on_ssd("b"):
+        assert time.monotonic() < deadline, "the saved blocks never reached B's SSD tier"
+        time.sleep(0.2)
+    held = pair.held_by("b")
+    assert {held[key] for key in keys} == {DEVICE}  # in the pool's arena still: written through, not evicted
 
 
 def test_corrupted_blocks_are_rejected_and_recomputed(pair):
@@ -154,10 +214,9 @@ def test_a_dying_mid_fetch_costs_b_a_recompute_not_an_answer(pair):
 
 
 def test_b_restarted_serves_a_prefix_from_its_warm_ssd_tier(pair):
-    text = prompt("one")  # test 1's prompt: pushed out of B's 16-block pool arena onto its SSD since
+    text = prompt("one")  # test 1's prompt: on B's SSD (written through, and pushed out of its 16-block arena since)
     keys = pair.keys(text)
-    on_ssd = {bytes.fromhex(p.stem) for p in (pair.ssd / "vllm-1").glob("*.blk")}
-    assert set(keys) <= on_ssd
+    assert set(keys) <= pair.on_ssd("b")
     pair.server("b").stop()
     restarted = VllmServer.launch(pair.cluster.vllm_config_for("vllm-1"), pair.cluster.log_dir, "vllm-1-again",
                                   vllm_temp_dir())
@@ -167,5 +226,7 @@ def test_b_restarted_serves_a_prefix_from_its_warm_ssd_tier(pair):
     answer = complete(pair.url("b"), text)
     assert cached(answer) == len(keys) * BLOCK
     assert pair.loads("b") == [(len(keys), len(keys), 0, 0)]  # all from its own SSD: A is dead
+    # a load from its own pool goes layer by layer: vLLM's CPU attention waited for both layers
+    assert f"prefixpool layer-wise load: {len(keys)} blocks, 2 of 2 layers waited for" in pair.log("b")
     cold = complete(pair.url("b"), text, salt="cold-four")
     assert answer.choices[0].text == cold.choices[0].text

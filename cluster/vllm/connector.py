@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.02  # at most this long, and only in a step that computes nothing
 
 
 def _log_like_vllm() -> None:
@@ -48,6 +49,7 @@ def _log_like_vllm() -> None:
 class PrefixPoolMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    idle: bool = False  # the step computes nothing: vLLM only polls (e.g. for a background load)
 
 
 def _poolable(request: "Request") -> bool:
@@ -81,7 +83,7 @@ class PrefixPoolConnector(KVConnectorBase_V1):
         self.worker.load(metadata.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole (all layers) before the forward pass
+        self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saved whole in wait_for_save, once the step's KV is written
@@ -90,6 +92,13 @@ class PrefixPoolConnector(KVConnectorBase_V1):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, PrefixPoolMetadata)
         self.worker.save(metadata.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """In a step with nothing to compute, wait a moment for a background load rather than let
+        vLLM's engine loop spin (it would take the GIL from the thread that receives the blocks)."""
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, PrefixPoolMetadata)
+        return None, self.worker.finished_loads(IDLE_WAIT_S if metadata.idle else 0.0)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_invalid()
@@ -108,7 +117,7 @@ class PrefixPoolConnector(KVConnectorBase_V1):
         lora = request.lora_request.lora_name if request.lora_request is not None else None
         num = self.scheduler.num_matched(request.request_id, list(request.prompt_token_ids), request.cache_salt,
                                          lora, num_computed_tokens)
-        return num, False
+        return num, bool(num) and self.scheduler.loads_in_background(request.request_id)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self.scheduler.allocated(request.request_id, num_external_tokens)
@@ -120,7 +129,7 @@ class PrefixPoolConnector(KVConnectorBase_V1):
             return manager.get_block_ids(request_id)[0]
 
         loads, saves = self.scheduler.step(scheduler_output.num_scheduled_tokens, self._requests, block_ids)
-        return PrefixPoolMetadata(loads, saves)
+        return PrefixPoolMetadata(loads, saves, idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)

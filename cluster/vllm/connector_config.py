@@ -43,6 +43,8 @@ class ConnectorConfig:
     pool_blocks: int = 256  # blocks of the pool's host-memory arena
     disk_tier_dir: str = ""  # the SSD tier lives in <disk_tier_dir>/<node_id>; blocks evicted from the arena go there
     disk_tier_blocks: int = 0
+    ssd_write_through: bool = False  # also write every saved block to the SSD tier at once (needs the tier)
+    async_load: bool = True  # blocks from a peer load in the background (vLLM's WAITING_FOR_REMOTE_KVS)
     lease_ttl_s: int = 10
     fetch_timeout_s: float = 5.0  # one peer fetch; past it the request recomputes
     lookup_timeout_s: float = 1.0  # the scheduler's wait for its etcd mirror's thread, per request
@@ -64,13 +66,18 @@ def config_from(extra: Mapping[str, Any], engine_id: str = "") -> ConnectorConfi
     values = {}
     for name, value in extra.items():
         kind = type(fields[name].default)
+        if kind is bool and not isinstance(value, bool):
+            raise BadConnectorConfig(f"kv_connector_extra_config[{name!r}] = {value!r}: not true or false")
         try:
             values[name] = kind(value)
         except (TypeError, ValueError) as err:
             raise BadConnectorConfig(f"kv_connector_extra_config[{name!r}] = {value!r}: {err}") from None
     if not values.get("node_id"):
         values["node_id"] = f"vllm-{socket.gethostname()}-{engine_id[:8]}"
-    return ConnectorConfig(**values)
+    config = ConnectorConfig(**values)
+    if config.ssd_write_through and config.disk_tier_blocks <= 0:
+        raise BadConnectorConfig("ssd_write_through needs an SSD tier (disk_tier_blocks > 0, disk_tier_dir)")
+    return config
 
 
 def kv_transfer_json(extra: Mapping[str, Any]) -> str:

@@ -2,6 +2,8 @@
 
     loop = LoopThread("prefixpool-pool")
     result = loop.run(coroutine, timeout_s=5.0)   # blocks the caller; TimeoutError past the limit
+    future = loop.submit(coroutine)               # returns at once: a concurrent.futures.Future
+    loop.call(function, *args)                    # a plain function run on the loop, waited for
     loop.close()                                   # cancels what still runs, joins the thread
 
 vLLM calls a KV connector from its engine thread, without an event loop; the
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Coroutine, TypeVar
+from typing import Any, Callable, Coroutine, TypeVar
 
 T = TypeVar("T")
 
@@ -30,6 +32,13 @@ class LoopThread:
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start `coroutine` on the loop; its future's callbacks run on the loop's thread."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def call(self, function: Callable[..., T], *args: Any) -> T:
+        return self.run(_apply(function, args))
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """Run `coroutine` on the loop and wait for it; on timeout it is cancelled and TimeoutError raised."""
@@ -46,6 +55,10 @@ class LoopThread:
         self.run(_cancel_others(), timeout_s)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout_s)
+
+
+async def _apply(function: Callable[..., T], args: tuple) -> T:
+    return function(*args)
 
 
 async def _cancel_others() -> None:

@@ -1,4 +1,4 @@
-"""vLLM's paged KV cache seen as pool blocks: copy whole blocks (all layers) between the two.
+"""vLLM's paged KV cache seen as pool blocks: copy whole blocks (all layers, or one layer) between the two.
 
     vLLM, per layer:  a tensor with one dimension of size num_blocks, anywhere
                       (CPU backend: [num_blocks, kv_heads, block_size, 2 * head_dim];
@@ -51,7 +51,9 @@ def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
 
 class PagedKV:
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block_size: int) -> None:
-        self.layers = [Layer(t, _block_dim(t, num_blocks)) for _, t in sorted(kv_caches.items(), key=_layer_order)]
+        ordered = sorted(kv_caches.items(), key=_layer_order)
+        self.names = [name for name, _ in ordered]  # vLLM's layer names, as wait_for_layer_load gets them
+        self.layers = [Layer(t, _block_dim(t, num_blocks)) for _, t in ordered]
         if not self.layers:
             raise UnsupportedLayout("vLLM registered no KV cache layers")
         sizes = {layer.block_elements for layer in self.layers}
@@ -82,17 +84,22 @@ class PagedKV:
             slots[target, i] = blocks.reshape(len(vllm_ids), -1).to(arena.device)
 
     def load(self, arena: KVArena, pool_ids: Sequence[int], vllm_ids: Sequence[int]) -> None:
-        """Pool blocks -> vLLM blocks, pairwise."""
+        """Pool blocks -> vLLM blocks, pairwise, every layer."""
+        for index in range(len(self.layers)):
+            self.load_layer(index, arena, pool_ids, vllm_ids)
+
+    def load_layer(self, index: int, arena: KVArena, pool_ids: Sequence[int], vllm_ids: Sequence[int]) -> None:
+        """Pool blocks -> vLLM blocks, pairwise, layer `index` only (a layer-wise load runs one per layer)."""
         if not vllm_ids:
             return
+        layer = self.layers[index]
         source = torch.tensor(list(pool_ids), device=arena.device)
         target = torch.tensor(list(vllm_ids), device=self.device)
         slots = arena.tensor.view(arena.num_blocks, len(self.layers), -1)
-        for i, layer in enumerate(self.layers):
-            shape = list(layer.tensor.shape)
-            shape.pop(layer.block_dim)
-            blocks = slots[source, i].to(self.device, non_blocking=True).reshape(len(vllm_ids), *shape)
-            layer.tensor.index_copy_(layer.block_dim, target, blocks.movedim(0, layer.block_dim))
+        shape = list(layer.tensor.shape)
+        shape.pop(layer.block_dim)
+        blocks = slots[source, index].to(self.device, non_blocking=True).reshape(len(vllm_ids), *shape)
+        layer.tensor.index_copy_(layer.block_dim, target, blocks.movedim(0, layer.block_dim))
 
 
 def _layer_order(item: tuple[str, torch.Tensor]) -> tuple:

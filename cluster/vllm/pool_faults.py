@@ -5,6 +5,8 @@
                                     AFTER their checksum was computed (a bad link)
     "stall N"                    -> in each fetch, send N blocks, log "prefixpool fault: stalling",
                                     then send nothing more until the process dies (a peer dying mid-fetch)
+    "pause N"                    -> in each fetch, send N blocks, log "prefixpool fault: pausing", then
+                                    wait until the file says something else, and go on (a slow peer)
 
 A test writes the file to pick the fault for the next fetch; the holder's own
 blocks are never touched. Off by default: without a fault file the plain
@@ -24,6 +26,7 @@ from store.record import RecordHeader, header_for
 from transfer.source import BlockSource, Outgoing
 
 log = logging.getLogger(__name__)
+PAUSE_POLL_S = 0.05
 
 
 class FileFaultSource(BlockSource):
@@ -44,6 +47,10 @@ class FileFaultSource(BlockSource):
             if fault == "stall" and index > every:
                 log.warning("prefixpool fault: stalling after %d blocks", every)
                 await asyncio.Event().wait()  # until cancelled: the holder dies mid-fetch
+            if fault == "pause" and index == every + 1:
+                log.warning("prefixpool fault: pausing after %d blocks", every)
+                while self._fault()[0] == "pause":
+                    await asyncio.sleep(PAUSE_POLL_S)
             payload = self.payload(block_id)
             header = header_for(key, payload)
             if fault == "corrupt" and index % every == 0:

@@ -1,11 +1,15 @@
 """The pool beside one vLLM server: its blocks in host memory (and SSD), served to peers, published in etcd.
 
     save(keys, vllm_ids)           vLLM blocks not yet held -> fresh pool blocks -> commit -> publish
-    load(keys, first, vllm_ids, peer)
+                                   (ssd_write_through: and queued for the SSD at once, not on eviction;
+                                   fetched blocks go down on eviction only: the peer's SSD has them)
+    prepare(keys, peer) -> Prepared
         promote   the SSD run after the host prefix comes up
-        acquire   the longest prefix held here
         fetch     the rest from `peer` (a hint: it sends what it still has, each block checksummed)
-        copy      pool blocks [first, n) -> vLLM blocks; Loaded(n) says how many arrived intact
+        acquire   the longest prefix held here now, pinned until release(prepared)
+    load(keys, first, vllm_ids, peer, may_copy)
+        prepare, copy pool blocks [first, n) -> vLLM blocks (unless may_copy() says vLLM gave up), release;
+        Loaded(n) says how many arrived intact (a layer-wise load copies a prepared hold itself)
 
     etcd: record "<node>.pool" (kind vllm-pool, its transfer URL) under a lease of its own,
           every block under that lease, in the tier that holds it (first tier = host-memory arena)
@@ -13,8 +17,9 @@
 The lease is the pool's, not the sidecar's: the pool lives in the vLLM
 process and its blocks die with it, while the sidecar's lease follows vLLM's
 health and its prefix cache. Every method runs on one event loop (LoopThread):
-the transfer server serves peers between vLLM's calls. Knows nothing of vLLM's
-scheduler or of the router.
+the transfer server serves peers between vLLM's calls. Only a layer-wise load
+reads the arena from another thread (the worker's copy thread), and only blocks
+a Prepared hold pins. Knows nothing of vLLM's scheduler or of the router.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
+
+import torch
 
 from cluster.meta.etcd_client import EtcdClient
 from cluster.meta.layout import Layout
@@ -35,7 +42,7 @@ from cluster.vllm.pool_faults import pool_source
 from store.arena import KVArena
 from store.disk_tier import DiskTier
 from store.keys import BlockKey, Namespace
-from store.node_blocks import NodeBlocks
+from store.node_blocks import Hold, NodeBlocks
 from store.pool import BlockPool
 from store.tiers import TierChain
 from transfer.errors import TransferError
@@ -53,20 +60,40 @@ class Loaded:
     num_bytes: int
 
 
-def _blocks(config: ConnectorConfig, arena: KVArena) -> NodeBlocks:
-    disk = None
-    if config.disk_tier_blocks > 0:
-        if not config.disk_tier_dir:
-            raise ValueError("disk_tier_blocks needs disk_tier_dir")
-        disk = DiskTier(Path(config.disk_tier_dir) / config.node_id, arena.block_bytes, config.disk_tier_blocks)
-    return NodeBlocks(BlockPool(config.pool_blocks), TierChain(arena, disk=disk) if disk is not None else None)
+@dataclass(frozen=True)
+class Prepared:
+    hold: Hold  # pool blocks of keys[:num_blocks], pinned until release()
+    num_fetched: int
+    num_bytes: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hold.block_ids)
+
+    def num_new(self, first: int) -> int:
+        """Blocks beyond the `first` vLLM already has."""
+        return max(0, self.num_blocks - first)
+
+    def loaded(self) -> Loaded:
+        return Loaded(self.num_blocks, self.num_fetched, self.num_bytes)
+
+
+def _disk(config: ConnectorConfig, arena: KVArena) -> DiskTier | None:
+    if config.disk_tier_blocks <= 0:
+        return None
+    if not config.disk_tier_dir:
+        raise ValueError("disk_tier_blocks needs disk_tier_dir")
+    return DiskTier(Path(config.disk_tier_dir) / config.node_id, arena.block_bytes, config.disk_tier_blocks)
 
 
 class PoolNode:
     def __init__(self, config: ConnectorConfig, paged: PagedKV, namespace: Namespace) -> None:
         self.config, self.paged, self.namespace = config, paged, namespace
         self.arena = KVArena(paged.arena_shape(config.pool_blocks), paged.dtype, "cpu")
-        self.blocks = _blocks(config, self.arena)
+        disk = _disk(config, self.arena)
+        tiers = TierChain(self.arena, disk=disk) if disk is not None else None  # not `if disk`: an empty tier is falsy
+        self.blocks = NodeBlocks(BlockPool(config.pool_blocks), tiers)
+        self.write_through = disk if config.ssd_write_through else None
         self.source = pool_source(self.blocks, self.arena, config.fault_file)
         self.fetcher = Fetcher(config.token)
         self.server: Server | None = None
@@ -115,25 +142,45 @@ class PoolNode:
             new = new[: len(hold.block_ids)]
             self.paged.save([block for _, block in new], self.arena, hold.block_ids)
             stored = self.blocks.commit(hold, 0, [key for key, _ in new])
+            if self.write_through is not None:
+                self._write_through(stored)
         finally:
             self.blocks.release(hold)
         self._publish([*stored, *evicted])
         return len(stored)
 
-    async def load(self, keys: Sequence[BlockKey], first: int, vllm_ids: Sequence[int], peer_url: str) -> Loaded:
-        """Fill vllm_ids (the blocks of keys[first:]) with the longest intact prefix, local or from `peer_url`."""
+    def _write_through(self, keys: Sequence[BlockKey]) -> None:
+        """Queue the blocks just saved for the SSD tier (stored, and published, once collect() sees the files)."""
+        for key in keys:
+            block = self.arena.view(self.blocks.lookup(key)).reshape(-1).view(torch.uint8)
+            self.write_through.put(key, block)
+
+    async def prepare(self, keys: Sequence[BlockKey], peer_url: str) -> Prepared:
+        """Hold the longest prefix of `keys` this pool can supply: local tiers, then fetched from `peer_url`."""
         self.blocks.promote(keys)
         held = len(self.blocks.match(keys))
         num_fetched = num_bytes = 0
         if held < len(keys) and peer_url:
             num_fetched, num_bytes = await self._fetch(peer_url, keys[held:])
         hold = self.blocks.acquire(keys)  # what is here now: local, fetched, and what a failed fetch committed
+        self._publish(self.blocks.take_changes().keys())
+        return Prepared(hold, num_fetched, num_bytes)
+
+    def release(self, prepared: Prepared) -> None:
+        self.blocks.release(prepared.hold)
+        self._publish(self.blocks.take_changes().keys())
+
+    async def load(self, keys: Sequence[BlockKey], first: int, vllm_ids: Sequence[int], peer_url: str,
+                   may_copy: Callable[[], bool]) -> Loaded:  # fmt: skip
+        """Fill vllm_ids (the blocks of keys[first:]) with the longest intact prefix, if `may_copy()` still allows."""
+        prepared = await self.prepare(keys, peer_url)
         try:
-            self.paged.load(self.arena, hold.block_ids[first:], vllm_ids[: max(0, len(hold.block_ids) - first)])
-            return Loaded(len(hold.block_ids), num_fetched, num_bytes)
+            if not may_copy():  # vLLM gave up on this load: its blocks are being recomputed
+                return Loaded(first, prepared.num_fetched, prepared.num_bytes)
+            self.paged.load(self.arena, prepared.hold.block_ids[first:], vllm_ids[: prepared.num_new(first)])
+            return prepared.loaded()
         finally:
-            self.blocks.release(hold)
-            self._publish(self.blocks.take_changes().keys())
+            self.release(prepared)
 
     async def _fetch(self, peer_url: str, keys: Sequence[BlockKey]) -> tuple[int, int]:
         """(blocks, bytes) committed from the peer: a prefix of `keys`, cached (unheld) in this pool."""
