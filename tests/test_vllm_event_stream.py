@@ -139,3 +139,27 @@ def test_a_restarted_publisher_counting_from_zero_is_a_reset(tmp_path):
         await pub.send(1)
 
     assert run(tmp_path, steps) == [0, 1, 2, "RESET", 0, 1]
+
+
+def test_a_batch_lost_last_is_replayed_once_the_stream_goes_quiet(tmp_path):
+    """No later batch reveals the gap: the stream asks the replay endpoint itself when nothing arrives."""
+    @scenario(count=3)
+    async def steps(pub):
+        await pub.send(0)
+        await pub.send(1)
+        await pub.send(2, live=False)  # the last batch vLLM publishes for a while, lost
+
+    assert run(tmp_path, steps) == [0, 1, 2]
+
+
+def test_a_late_live_copy_of_a_tail_repaired_batch_is_not_a_restart(tmp_path):
+    @scenario(count=4)
+    async def steps(pub):
+        await pub.send(0)
+        await pub.send(1, live=False)
+        await asyncio.sleep(3.0)  # past tail_check_s: the stream has replayed 1
+        await pub.send(1, keep=False)  # PUB delivers the same batch late
+        await pub.send(2)
+        await pub.send(3)
+
+    assert run(tmp_path, steps) == [0, 1, 2, 3]

@@ -8,6 +8,8 @@
                                    or seq went backwards    -> yield RESET (the caller clears and
                                    (vLLM restarted)            relearns; a restart's own history is
                                                                then replayed from 0 like a gap)
+    nothing for tail_check_s   ──▶ ask the replay endpoint for [expected, ...): a batch lost last
+                                   shows no gap until the next arrives, which may be never
 
 The first batch seen also counts as a gap from 0, so a sidecar that starts or
 restarts after vLLM relearns what vLLM's replay buffer still holds. `drop`
@@ -47,13 +49,15 @@ class StreamConfig:
     replay_endpoint: str = ""
     topic: str = ""
     replay_timeout_s: float = 5.0
+    tail_check_s: float = 2.0  # 0: never look for a lost last batch
 
 
 class EventStream:
     def __init__(self, config: StreamConfig, drop: Callable[[int], bool] = never) -> None:
         self.config, self.drop = config, drop
         self.expected: int | None = None
-        self.num_batches = self.num_gaps = self.num_replayed = self.num_resets = 0
+        self.num_batches = self.num_gaps = self.num_replayed = self.num_resets = self.num_tail_repairs = 0
+        self._tail: dict[int, bytes] = {}  # batches a tail check yielded: PUB may still deliver them late
         self._context = zmq.asyncio.Context()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, config.topic.encode())
@@ -65,6 +69,10 @@ class EventStream:
 
     async def batches(self) -> AsyncIterator[tuple[int, EventBatch] | Reset]:
         while True:
+            if self._tail_checks() and not await self._sub.poll(self.config.tail_check_s * 1000, zmq.POLLIN):
+                async for item in self._check_tail():
+                    yield item
+                continue
             frames = await self._sub.recv_multipart()
             if len(frames) != 3:
                 log.warning("ignoring a %d-frame message on the KV event socket", len(frames))
@@ -75,7 +83,23 @@ class EventStream:
             async for item in self._accept(seq, frames[2]):
                 yield item
 
+    def _tail_checks(self) -> bool:
+        return bool(self.config.replay_endpoint) and self.config.tail_check_s > 0 and self.expected is not None
+
+    async def _check_tail(self) -> AsyncIterator[tuple[int, EventBatch] | Reset]:
+        """The stream is quiet: yield whatever vLLM published after the last batch we saw."""
+        for seq, payload in await self._replay(self.expected, quiet=True):
+            if seq != self.expected:  # older than we asked, or not contiguous: a new publisher
+                return  # the next live batch tells which
+            self.num_tail_repairs += 1
+            self._tail[seq] = payload
+            self.expected = seq + 1
+            yield self._decode(seq, payload)
+
     async def _accept(self, seq: int, payload: bytes) -> AsyncIterator[tuple[int, EventBatch] | Reset]:
+        if self._tail.get(seq) == payload:
+            return  # a tail check yielded it already; PUB was only late
+        self._tail.clear()
         if self.expected is not None and seq < self.expected:
             # PUB delivers in order and replays only fill what came before a live batch, so a
             # sequence number going back means a new publisher: vLLM restarted, counting from 0.
@@ -103,7 +127,7 @@ class EventStream:
             self.num_replayed += 1
             yield self._decode(seq, replayed[seq])
 
-    async def _replay(self, start: int) -> list[tuple[int, bytes]]:
+    async def _replay(self, start: int, quiet: bool = False) -> list[tuple[int, bytes]]:
         dealer = self._context.socket(zmq.DEALER)
         dealer.connect(self.config.replay_endpoint)
         got: list[tuple[int, bytes]] = []
@@ -119,7 +143,7 @@ class EventStream:
                         return got
                     got.append((seq, frames[3]))
         except TimeoutError:
-            log.warning("replay endpoint %s did not answer in %.1fs", self.config.replay_endpoint,
+            (log.debug if quiet else log.warning)("replay endpoint %s did not answer in %.1fs", self.config.replay_endpoint,
                         self.config.replay_timeout_s)
             return got
         finally:
