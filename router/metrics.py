@@ -36,6 +36,8 @@ class RouterMetrics:
                                     registry=r)
         self.unplanned_blocks = Counter("prefixpool_unplanned_hit_blocks", "Blocks reused beyond the plan "
                                         "(stored before the index learned them)", registry=r)
+        self.forgone_blocks = Counter("prefixpool_forgone_hit_blocks", "Blocks some node held for the prompt that "
+                                      "the route did not count on (sent elsewhere for load)", registry=r)
         self.retries = Counter("prefixpool_retries", "Requests retried on another worker", registry=r)
         self.inflight = Gauge("prefixpool_worker_inflight", "Requests in flight per worker", ["worker"], registry=r,
                               multiprocess_mode="livesum")
@@ -55,9 +57,11 @@ class RouterMetrics:
         if prompt_tokens:
             self.hit_fraction.observe(cached_tokens / prompt_tokens)
 
-    def observe_plan(self, planned_blocks: int, cached_blocks: int) -> None:
-        """The route's expected reuse against the worker's report: what the index promised and did not hold."""
+    def observe_plan(self, planned_blocks: int, cached_blocks: int, held_blocks: int) -> None:
+        """The route's expected reuse against the worker's report (what the index promised and did not
+        hold), and against the fleet's (`held_blocks`: the longest prefix any node held, reusable)."""
         self.planned_blocks.inc(planned_blocks)
+        self.forgone_blocks.inc(max(0, held_blocks - planned_blocks))
         if cached_blocks < planned_blocks:
             self.missed_blocks.inc(planned_blocks - cached_blocks)
             self.missed_plans.inc()

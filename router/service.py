@@ -236,7 +236,7 @@ class Router:
         start = time.perf_counter()
         for _ in range(self.config.max_retries + 1):
             try:
-                plan, _ = self.decide(prepared, frozenset(excluded))
+                plan, matches = self.decide(prepared, frozenset(excluded))
             except ServiceUnavailable:
                 if refused is None:
                     raise
@@ -261,7 +261,7 @@ class Router:
                             emitted.append(event.token)
                         if isinstance(event, Done):
                             event = _resumed_usage(event, len(emitted) - event.usage.completion_tokens)
-                            self._observe(plan, event.usage)
+                            self._observe(plan, event.usage, max(matches.values(), default=0))
                         yield event
                 return
             except WorkerUnreachable as err:
@@ -278,10 +278,13 @@ class Router:
             return
         raise ServiceUnavailable(f"no worker answered after {len(excluded)} attempts", code="workers_failed")
 
-    def _observe(self, plan: Plan, u: Usage) -> None:
+    def _observe(self, plan: Plan, u: Usage, held_blocks: int) -> None:
+        """`held_blocks`: the longest prefix of this prompt any candidate held when it was routed."""
         self.metrics.observe_usage(u.prompt_tokens, u.cached_tokens, u.fetched_tokens, u.fetched_bytes)
         block_size = self.config.namespace.block_size
-        self.metrics.observe_plan(plan.hit_blocks(u.prompt_tokens, block_size), u.cached_tokens // block_size)
+        reusable = max(0, u.prompt_tokens - 1) // block_size  # the last token is always computed
+        self.metrics.observe_plan(plan.hit_blocks(u.prompt_tokens, block_size), u.cached_tokens // block_size,
+                                  min(held_blocks, reusable))
 
     def _worker_request(self, prepared: Prepared, plan: Plan, emitted: list[int]) -> GenerateRequest:
         """The request for one attempt; a resumed one asks for the rest after the tokens already emitted."""

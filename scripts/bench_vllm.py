@@ -13,7 +13,9 @@ same slice is replayed live (cluster/replay/live.py): every trace block is one
 TTFT at the client. Each row also compares the router's plans with what vLLM
 reused (the router's prefixpool_*_hit_blocks counters): blocks planned, blocks
 missed (the index named them, vLLM had evicted them: lost hits) and the requests
-that missed, blocks reused beyond the plan; and vLLM's preemptions. --repeat R
+that missed, blocks reused beyond the plan, blocks forgone (some node held them,
+the route went elsewhere: round robin's chance, cost's load trade); and vLLM's
+preemptions. --repeat R
 runs the policies in turn R times (cost, least_load, round_robin, cost, ...), so
 a slow spell on the shared machine falls on all of them; the ratio line pools
 every round. Prints one side-by-side table; --out also writes it with the
@@ -51,7 +53,8 @@ MODEL = "tiny-vllm"
 BLOCK = 32
 POLICIES = ("cost", "least_load", "round_robin")
 PLAN_COUNTERS = ("prefixpool_planned_hit_blocks_total", "prefixpool_missed_hit_blocks_total",
-                 "prefixpool_missed_plans_total", "prefixpool_unplanned_hit_blocks_total")
+                 "prefixpool_missed_plans_total", "prefixpool_unplanned_hit_blocks_total",
+                 "prefixpool_forgone_hit_blocks_total")
 PREEMPTIONS = "vllm:num_preemptions_total"
 INDEX_KEYS = "prefixpool_index_keys"
 
@@ -100,10 +103,10 @@ def row(label: str, results: list[LiveResult], plans: dict[str, float], preempte
     ok = [r for r in results if r.error is None]
     ttft = np.array([r.ttft_s for r in ok]) * 1e3 if ok else np.zeros(1)
     prompt, cached = sum(r.prompt_tokens for r in ok), sum(r.cached_tokens for r in ok)
-    planned, missed, missed_plans, unplanned = (int(plans[n]) for n in PLAN_COUNTERS)
+    planned, missed, missed_plans, unplanned, forgone = (int(plans[n]) for n in PLAN_COUNTERS)
     return (f"| {label} | {len(results)} | {len(results) - len(ok)} | {cached:,} / {prompt:,} | "
             f"{cached / max(prompt, 1):.3f} | {np.quantile(ttft, .5):.1f} | {np.quantile(ttft, .9):.1f} | "
-            f"{planned:,} | {missed:,} ({missed / max(planned, 1):.1%}) in {missed_plans} | {unplanned:,} | "
+            f"{planned:,} | {missed:,} ({missed / max(planned, 1):.1%}) in {missed_plans} | {unplanned:,} | {forgone:,} | "
             f"{int(preempted)} | {os.getloadavg()[0]:.2f} |"), cached, prompt
 
 
@@ -202,8 +205,8 @@ def main() -> None:
         f"cache, one node): {hit_rate_bound(records):.3f}.", "",
         "| KV blocks / instance | policy | round | requests | errors | cached / prompt tokens | hit rate | "
         "TTFT p50 ms | p90 ms | planned blocks | missed blocks (share) in requests | unplanned blocks | "
-        "vLLM preemptions | load 1m |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *lines, "",
+        "forgone blocks | vLLM preemptions | load 1m |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *lines, "",
         *(f"- {s}" for s in summaries), f"- load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
     ])
     print(report)

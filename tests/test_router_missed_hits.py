@@ -36,26 +36,29 @@ class HoldingView(View):
         return {"a": min(self.held, len(keys))} if self.held else {}
 
 
-def counters(prompt: str, held: int, cached_tokens: int) -> dict[str, float]:
-    """Route one prompt whose worker reports `cached_tokens`; the router's plan counters after it."""
+def counters(prompt: str, held: int, cached_tokens: int, policy: str = "cost", requests: int = 1) -> dict[str, float]:
+    """Route a prompt `requests` times, its worker reporting `cached_tokens`; the router's plan counters after."""
     usage = Usage(prompt_tokens=len(prompt), completion_tokens=1, local_hit_tokens=cached_tokens, fetched_tokens=0,
                   computed_tokens=len(prompt) - cached_tokens, fetched_bytes=0, ttft_s=0.01)
     answer = [Token(104), Done("length", usage)]
     client = ScriptedClient({"a": answer, "b": answer})
-    config = RouterConfig(model="m", namespace=Namespace("m", block_size=BLOCK), max_context=1000, vocab_size=259)
+    config = RouterConfig(model="m", namespace=Namespace("m", block_size=BLOCK), max_context=1000, vocab_size=259,
+                          policy=policy)
     router = Router(config, ByteTokenizer(), HoldingView(held), client, CostModel(block_size=BLOCK))
 
     async def run() -> None:
-        async for _ in router.generate(router.prepare(CompletionBody(model="m", prompt=prompt))):
-            pass
+        for _ in range(requests):
+            async for _ in router.generate(router.prepare(CompletionBody(model="m", prompt=prompt))):
+                pass
 
     asyncio.run(run())
-    if held:
-        assert client.called == ["a"]  # the holder, at equal load
+    if held and policy == "cost":
+        assert client.called == ["a"] * requests  # the holder, at equal load
     sample = router.metrics.registry.get_sample_value
     return {name: sample(f"prefixpool_{metric}_total") for name, metric in
             (("planned_blocks", "planned_hit_blocks"), ("missed_blocks", "missed_hit_blocks"),
-             ("missed_plans", "missed_plans"), ("unplanned_blocks", "unplanned_hit_blocks"))}
+             ("missed_plans", "missed_plans"), ("unplanned_blocks", "unplanned_hit_blocks"),
+             ("forgone_blocks", "forgone_hit_blocks"))}
 
 
 CASES = {  # prompt length, blocks the index says `a` holds, tokens the worker reports cached -> counters
@@ -70,8 +73,14 @@ CASES = {  # prompt length, blocks the index says `a` holds, tokens the worker r
 @pytest.mark.parametrize("case", CASES)
 def test_the_plan_is_counted_against_the_workers_reuse(case):
     length, held, cached, expected = CASES[case]
-    names = ("planned_blocks", "missed_blocks", "missed_plans", "unplanned_blocks")
-    assert counters("x" * length, held, cached) == dict(zip(names, expected))
+    names = ("planned_blocks", "missed_blocks", "missed_plans", "unplanned_blocks", "forgone_blocks")
+    assert counters("x" * length, held, cached) == dict(zip(names, (*expected, 0)))  # cost routes to the holder
+
+
+def test_a_route_away_from_the_holder_counts_its_blocks_as_forgone():
+    """Round robin sends one of two identical prompts to `b`, which holds nothing: `a`'s 4 blocks forgone."""
+    got = counters("x" * 17, held=4, cached_tokens=0, policy="round_robin", requests=2)
+    assert got["forgone_blocks"] == 4 and got["planned_blocks"] == 4
 
 
 def test_hit_blocks_is_the_plans_reach_capped_by_the_last_token():
