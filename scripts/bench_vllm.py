@@ -118,6 +118,10 @@ def ratios(tokens: dict[str, list[tuple[int, int]]]) -> str:
             f"(rounds: {', '.join(f'{r:.2f}x' for r in per_round)})")
     if "least_load" in hit:
         line += f"; cost / least_load: {hit['cost'] / max(hit['least_load'], 1e-9):.2f}x pooled"
+    for variant in (p for p in hit if p.startswith("cost:")):
+        rounds = [c / n / max(rc / rn, 1e-9) for (c, n), (rc, rn) in zip(tokens[variant], tokens["round_robin"])]
+        line += (f"; {variant} / round_robin: {hit[variant] / max(hit['round_robin'], 1e-9):.2f}x pooled "
+                 f"(rounds: {', '.join(f'{r:.2f}x' for r in rounds)})")
     return line
 
 
@@ -151,8 +155,9 @@ def run_fleet(model: Path, num_blocks: int, records: list, args, log_dir: Path) 
     with LocalCluster(num_workers=0, vllm=config, num_vllm=2, log_dir=log_dir) as cluster:
         real = [kv_blocks_of(server.url) for server in cluster.vllm_servers.values()]
         regime = f"{real[0]:,}" + ("" if num_blocks else " (unset)")
-        routers = {p: spawn(f"router-{p}", python_argv("router", "--port", "0", *cluster._common(),
-                                                       *cluster._model(), "--policy", p), cluster.log_dir)
+        routers = {p: spawn(f"router-{p.replace(':', '-w')}", python_argv("router", "--port", "0", *cluster._common(),
+                                                                          *cluster._model(), *policy_args(p)),
+                            cluster.log_dir)
                    for p in args.policies}
         try:
             lines, tokens = replay_rounds(cluster, routers, records, args, regime)
@@ -166,6 +171,12 @@ def run_fleet(model: Path, num_blocks: int, records: list, args, log_dir: Path) 
     return lines, f"{expected}. {ratios(tokens)}"
 
 
+def policy_args(policy: str) -> list[str]:
+    """Router flags for a policy; "cost:W" is the cost policy with --lost-reuse-weight W."""
+    name, _, weight = policy.partition(":")
+    return ["--policy", name, *(["--lost-reuse-weight", weight] if weight else [])]
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=400)
@@ -175,11 +186,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1, help="rounds of the policies, in turn")
     parser.add_argument("--kv-blocks", default="0", help="comma list: KV blocks per vLLM instance, a fleet each "
                         "(0: as many as vLLM's memory fraction allows)")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma list; cost and round_robin required")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma list; cost and round_robin required; "
+                        "cost:W adds the cost policy with lost-reuse weight W (the router's default is 2)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     args.policies = tuple(args.policies.split(","))
-    assert {"cost", "round_robin"} <= set(args.policies) <= set(POLICIES), args.policies
+    assert {"cost", "round_robin"} <= set(args.policies), args.policies
+    assert all(p.partition(":")[0] in POLICIES for p in args.policies), args.policies
     args.kv_blocks = [int(n) for n in args.kv_blocks.split(",")]
     return args
 
