@@ -80,9 +80,8 @@ class Plan:
     candidates: tuple[Terms, ...] = field(default=())
 
     def hit_blocks(self, num_prompt_tokens: int, block_size: int) -> int:
-        """Full blocks this plan counts on not recomputing. The last prompt token is always computed,
-        so a prompt ending on a block boundary reuses at most one block less than it holds."""
-        return min(self.fetch_end, max(0, num_prompt_tokens - 1) // block_size)
+        """Full blocks this plan counts on not recomputing."""
+        return min(self.fetch_end, reusable_blocks(num_prompt_tokens, block_size))
 
     def explain(self) -> dict:
         return {
@@ -94,6 +93,12 @@ class Plan:
             "predicted_ttft_s": self.predicted_ttft_s,
             "candidates": [{**t._asdict(), "ttft_s": t.ttft_s, "cost_s": t.cost_s} for t in self.candidates],
         }
+
+
+def reusable_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """The most full blocks a prompt can reuse: its last token is always computed, so a prompt ending
+    on a block boundary reuses at most one block less than it holds."""
+    return max(0, num_prompt_tokens - 1) // block_size
 
 
 def _cached_tokens(request: RouteRequest, blocks: int, costs: CostModel) -> int:

@@ -33,7 +33,7 @@ from router.inflight import InflightTracker
 from router.metrics import RouterMetrics
 from router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_tokens
 from router.cost_model import CostModel
-from router.policy import NodeLoad, Plan, Policy, RouteRequest, policies
+from router.policy import NodeLoad, Plan, Policy, RouteRequest, policies, reusable_blocks
 from router.contract.chat_template import ChatTemplateError
 from router.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Token, Usage
 from router.fleet import admit, kind_of, pools_of, transfer_nodes, with_own_pools
@@ -282,9 +282,8 @@ class Router:
         """`held_blocks`: the longest prefix of this prompt any candidate held when it was routed."""
         self.metrics.observe_usage(u.prompt_tokens, u.cached_tokens, u.fetched_tokens, u.fetched_bytes)
         block_size = self.config.namespace.block_size
-        reusable = max(0, u.prompt_tokens - 1) // block_size  # the last token is always computed
         self.metrics.observe_plan(plan.hit_blocks(u.prompt_tokens, block_size), u.cached_tokens // block_size,
-                                  min(held_blocks, reusable))
+                                  min(held_blocks, reusable_blocks(u.prompt_tokens, block_size)))
 
     def _worker_request(self, prepared: Prepared, plan: Plan, emitted: list[int]) -> GenerateRequest:
         """The request for one attempt; a resumed one asks for the rest after the tokens already emitted."""

@@ -106,23 +106,25 @@ def row(label: str, results: list[LiveResult], plans: dict[str, float], preempte
     planned, missed, missed_plans, unplanned, forgone = (int(plans[n]) for n in PLAN_COUNTERS)
     return (f"| {label} | {len(results)} | {len(results) - len(ok)} | {cached:,} / {prompt:,} | "
             f"{cached / max(prompt, 1):.3f} | {np.quantile(ttft, .5):.1f} | {np.quantile(ttft, .9):.1f} | "
-            f"{planned:,} | {missed:,} ({missed / max(planned, 1):.1%}) in {missed_plans} | {unplanned:,} | {forgone:,} | "
+            f"{planned:,} | {missed:,} ({missed / max(planned, 1):.1%}) in {missed_plans} | {unplanned:,} | "
+            f"{forgone:,} | "
             f"{int(preempted)} | {os.getloadavg()[0]:.2f} |"), cached, prompt
 
 
 def ratios(tokens: dict[str, list[tuple[int, int]]]) -> str:
-    """Hit-rate ratios pooled over every round, and each round's cost / round_robin."""
+    """Hit-rate ratios pooled over every round, and each round's, of cost (and each cost:W) to round_robin."""
     hit = {p: sum(c for c, _ in runs) / max(sum(n for _, n in runs), 1) for p, runs in tokens.items()}
-    per_round = [c / n / max(rc / rn, 1e-9) for (c, n), (rc, rn) in zip(tokens["cost"], tokens["round_robin"])]
-    line = (f"cost / round_robin hit rate: {hit['cost'] / max(hit['round_robin'], 1e-9):.2f}x pooled "
-            f"(rounds: {', '.join(f'{r:.2f}x' for r in per_round)})")
+
+    def to_round_robin(policy: str) -> str:
+        rounds = [c / n / max(rc / rn, 1e-9) for (c, n), (rc, rn) in zip(tokens[policy], tokens["round_robin"])]
+        return (f"{policy} / round_robin hit rate: {hit[policy] / max(hit['round_robin'], 1e-9):.2f}x pooled "
+                f"(rounds: {', '.join(f'{r:.2f}x' for r in rounds)})")
+
+    parts = [to_round_robin("cost")]
     if "least_load" in hit:
-        line += f"; cost / least_load: {hit['cost'] / max(hit['least_load'], 1e-9):.2f}x pooled"
-    for variant in (p for p in hit if p.startswith("cost:")):
-        rounds = [c / n / max(rc / rn, 1e-9) for (c, n), (rc, rn) in zip(tokens[variant], tokens["round_robin"])]
-        line += (f"; {variant} / round_robin: {hit[variant] / max(hit['round_robin'], 1e-9):.2f}x pooled "
-                 f"(rounds: {', '.join(f'{r:.2f}x' for r in rounds)})")
-    return line
+        parts.append(f"cost / least_load: {hit['cost'] / max(hit['least_load'], 1e-9):.2f}x pooled")
+    parts += [to_round_robin(p) for p in hit if p.startswith("cost:")]
+    return "; ".join(parts)
 
 
 def replay_one(cluster: LocalCluster, router_url: str, records: list, args) -> tuple[list, dict, float]:

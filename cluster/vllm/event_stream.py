@@ -143,8 +143,8 @@ class EventStream:
                         return got
                     got.append((seq, frames[3]))
         except TimeoutError:
-            (log.debug if quiet else log.warning)("replay endpoint %s did not answer in %.1fs", self.config.replay_endpoint,
-                        self.config.replay_timeout_s)
+            (log.debug if quiet else log.warning)("replay endpoint %s did not answer in %.1fs",
+                                                  self.config.replay_endpoint, self.config.replay_timeout_s)
             return got
         finally:
             dealer.close(linger=0)
