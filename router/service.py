@@ -261,7 +261,7 @@ class Router:
                             emitted.append(event.token)
                         if isinstance(event, Done):
                             event = _resumed_usage(event, len(emitted) - event.usage.completion_tokens)
-                            self._observe(plan, event.usage, max(matches.values(), default=0))
+                            self._observe(prepared, plan, event.usage, max(matches.values(), default=0))
                         yield event
                 return
             except WorkerUnreachable as err:
@@ -278,12 +278,15 @@ class Router:
             return
         raise ServiceUnavailable(f"no worker answered after {len(excluded)} attempts", code="workers_failed")
 
-    def _observe(self, plan: Plan, u: Usage, held_blocks: int) -> None:
+    def _observe(self, prepared: Prepared, plan: Plan, u: Usage, held_blocks: int) -> None:
         """`held_blocks`: the longest prefix of this prompt any candidate held when it was routed."""
         self.metrics.observe_usage(u.prompt_tokens, u.cached_tokens, u.fetched_tokens, u.fetched_bytes)
         block_size = self.config.namespace.block_size
-        self.metrics.observe_plan(plan.hit_blocks(u.prompt_tokens, block_size), u.cached_tokens // block_size,
-                                  min(held_blocks, reusable_blocks(u.prompt_tokens, block_size)))
+        planned, cached = plan.hit_blocks(u.prompt_tokens, block_size), u.cached_tokens // block_size
+        if cached < planned:  # the index named blocks the worker no longer had (or never took)
+            log.info("missed hit: %s planned %d blocks on %s, it reused %d; first missed key %s",
+                     prepared.request_id, planned, plan.worker, cached, prepared.keys[cached].hex())
+        self.metrics.observe_plan(planned, cached, min(held_blocks, reusable_blocks(u.prompt_tokens, block_size)))
 
     def _worker_request(self, prepared: Prepared, plan: Plan, emitted: list[int]) -> GenerateRequest:
         """The request for one attempt; a resumed one asks for the rest after the tokens already emitted."""
