@@ -6,8 +6,9 @@ For each KV-cache size in --kv-blocks (blocks per vLLM instance, vLLM's
 --num-gpu-blocks-override; 0 = as many as its memory fraction allows) one fleet (etcd,
 2 vLLM servers with KV events, their sidecars) and one router per policy (cost,
 least_load, round_robin) in front of it. Before each policy both vLLM prefix
-caches are reset (vLLM's /reset_prefix_cache; its AllBlocksCleared event empties
-the index; the bench waits until the router's mirror is empty too), then the
+caches are reset (vLLM's /reset_prefix_cache, then a one-token request: vLLM
+publishes the reset's AllBlocksCleared only with its next engine step; the event
+empties the index; the bench waits until the router's mirror is empty too), then the
 same slice is replayed live (cluster/replay/live.py): every trace block is one
 32-token vLLM block, hit rate = vLLM's reported cached tokens / prompt tokens,
 TTFT at the client. Each row also compares the router's plans with what vLLM
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -78,25 +80,36 @@ def kv_blocks_of(vllm_url: str) -> int:
     return int(found.group(1)) if found else 0
 
 
-def reset_caches(cluster: LocalCluster, router_url: str, timeout_s: float = 120.0) -> None:
+def post(url: str, body: dict | None = None) -> None:
+    data = json.dumps(body).encode() if body is not None else b""
+    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert reply.status == 200, reply.status
+
+
+def reset_caches(cluster: LocalCluster, router_url: str, timeout_s: float = 60.0) -> None:
     """Empty both vLLM caches, then wait for etcd and the router's mirror to hold no block: a mirror
-    still applying the deletes would plan the next replay's first requests on blocks that are gone."""
+    still applying the deletes would plan the next replay's first requests on blocks that are gone.
+
+    vLLM publishes the reset's AllBlocksCleared with its next engine step, so an idle server
+    needs a request to send it: one token in, one out, no full block stored."""
     for server in cluster.vllm_servers.values():
-        request = urllib.request.Request(f"{server.url}/reset_prefix_cache", data=b"", method="POST")
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            assert reply.status == 200
-    asyncio.run(_wait_index_empty(cluster.etcd.endpoint))
+        post(f"{server.url}/reset_prefix_cache")
+        post(f"{server.url}/v1/completions", {"model": MODEL, "prompt": [1], "max_tokens": 1})
+    asyncio.run(_wait_index_empty(cluster.etcd.endpoint, timeout_s))
     deadline = time.monotonic() + timeout_s
-    while scrape(router_url, (INDEX_KEYS,))[INDEX_KEYS] and time.monotonic() < deadline:
+    while (left := scrape(router_url, (INDEX_KEYS,))[INDEX_KEYS]) and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert not left, f"the router's mirror still holds {left:.0f} keys {timeout_s:.0f} s after the reset"
 
 
-async def _wait_index_empty(endpoint: str, timeout_s: float = 60.0) -> None:
+async def _wait_index_empty(endpoint: str, timeout_s: float) -> None:
     etcd = EtcdClient(endpoint)
     deadline = time.monotonic() + timeout_s
-    while (await etcd.get_prefix(Layout("default").blocks_prefix)).kvs and time.monotonic() < deadline:
+    while (left := (await etcd.get_prefix(Layout("default").blocks_prefix)).kvs) and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
     await etcd.close()
+    assert not left, f"etcd still names {len(left)} blocks {timeout_s:.0f} s after the reset"
 
 
 def row(label: str, results: list[LiveResult], plans: dict[str, float], preempted: float) -> tuple[str, int, int]:
