@@ -55,7 +55,8 @@ async def send_all(sock: socket.socket, *buffers: bytes | memoryview) -> None:
 
 
 SCATTER_BUFFERS = 64  # buffers one receive syscall may fill (Linux allows 1024)
-WAKE_BYTES = 4 << 20  # a waiting receive wakes once this much (or all it still needs) has arrived: half of tcp.py's receive buffer
+SCATTER_BYTES = 1 << 20  # ... and bytes (at least one buffer): the checksum then reads what the copy just wrote, in cache
+WAKE_BYTES = 1 << 20  # a waiting receive wakes once this much (or all it still needs) has arrived
 
 
 async def _ready(sock: socket.socket, writing: bool) -> None:
@@ -110,7 +111,12 @@ class Scatter:
         pending = self._pending
         while len(pending) < SCATTER_BUFFERS and (buffer := next(self._source, None)) is not None:
             pending.append(buffer)
-        window = list(pending)
+        window, size = [], -self._offset
+        for buffer in pending:
+            window.append(buffer)
+            size += buffer.nbytes
+            if size >= SCATTER_BYTES:
+                break
         if window and self._offset:
             window[0] = window[0][self._offset :]
         return window

@@ -10,8 +10,10 @@
 Raw non-blocking sockets driven by the event loop: payloads are sent from
 and received into the arena's own memory, no stream buffers in between. One
 receive syscall scatters many records (headers into small buffers, payloads
-straight into their blocks) and wakes only once megabytes have arrived, so
-the per-block cost is the checksum and the commit, not syscalls and wake-ups.
+straight into their blocks) and wakes only once a megabyte has arrived; it
+takes about that much at a time, so each block's checksum reads bytes the
+copy has just left in cache. The per-block cost is the checksum and the
+commit, not syscalls and wake-ups.
 A connection goes back to the pool only after a complete answer; after a
 rejection, a short allocation or any error it is closed, since bytes may
 still be in flight on it. Knows nothing of UCX.
@@ -46,15 +48,12 @@ from transfer.stream import Scatter, recv_message, send_all, send_buffers
 log = logging.getLogger(__name__)
 
 
-SOCKET_BUFFER_BYTES = 8 * 1024 * 1024
-
-
 def _tune(sock: socket.socket) -> None:
-    """Non-blocking, no Nagle delay, and large kernel buffers: fewer wake-ups per block."""
+    """Non-blocking and no Nagle delay. The kernel's buffers stay autotuned: a fixed SO_RCVBUF
+    would lock the window (and net.core.rmem_max caps it, 4 MiB on our machines), while
+    autotuning grows it to tcp_rmem's maximum and to twice a receive's wake-up threshold."""
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
 class TcpServer:
