@@ -23,10 +23,11 @@ NUM_BLOCKS, BLOCK, HEADS, DIM, LAYERS = 6, 32, 2, 8, 3
 LAYOUTS = {"cpu": (NUM_BLOCKS, HEADS, BLOCK, 2 * DIM), "flash": (2, NUM_BLOCKS, BLOCK, HEADS, DIM)}
 
 
-def caches(shape: tuple[int, ...], seed: int) -> dict[str, torch.Tensor]:
+def caches(shape: tuple[int, ...], seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     # layer 10 after layer 9: model order, not text order
-    return {f"model.layers.{i * 5}.self_attn.attn": torch.randn(shape, generator=generator) for i in range(LAYERS)}
+    return {f"model.layers.{i * 5}.self_attn.attn": torch.randn(shape, generator=generator).to(device)
+            for i in range(LAYERS)}
 
 
 def block_of(layer: torch.Tensor, layout: str, block_id: int) -> torch.Tensor:
@@ -66,6 +67,25 @@ def test_a_layer_wise_load_has_each_layer_in_place_once_waited_for_and_all_after
         layer_load.wait("not.a.layer")  # vLLM may ask for a layer with nothing to load: no wait, no error
         layer_load.join()
     assert layer_load.waited == set(names) and layer_load.num_layers == LAYERS and layer_load.num_blocks == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_cuda_caches_copy_through_pinned_staging_bit_for_bit(layout):
+    source, target = caches(LAYOUTS[layout], 1, "cuda"), caches(LAYOUTS[layout], 2, "cuda")
+    before = {name: tensor.clone() for name, tensor in target.items()}
+    paged_source, paged_target = PagedKV(source, NUM_BLOCKS, BLOCK), PagedKV(target, NUM_BLOCKS, BLOCK)
+    assert paged_target.pinned and paged_target.staging(2).is_pinned()
+    arena = KVArena(paged_source.arena_shape(4), paged_source.dtype)
+    paged_source.save([5, 1], arena, [3, 0])
+    with concurrent.futures.ThreadPoolExecutor(1) as copier:  # the layer-wise path, asynchronous copies
+        LayerLoad(paged_target, arena, [3, 0], [2, 4], copier).join()
+    torch.cuda.synchronize()
+    for name in source:
+        for (src, dst) in [(5, 2), (1, 4)]:
+            assert torch.equal(block_of(target[name], layout, dst), block_of(source[name], layout, src))
+        for untouched in (0, 1, 3, 5):
+            assert torch.equal(block_of(target[name], layout, untouched), block_of(before[name], layout, untouched))
 
 
 def test_a_background_load_is_copied_or_recomputed_never_both():

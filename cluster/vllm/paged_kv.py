@@ -13,8 +13,12 @@
 The bytes of one pool block are therefore the same on every node that runs the
 same model, dtype and block size with the same attention backend, which is what
 the key namespace promises. Copies go a batch of blocks per layer at a time
-(index_select / index_copy_); the arena lives in host memory, so on a GPU that is
-one device-to-host (or host-to-device) copy per layer per batch.
+(index_select / index_copy_) through a host staging buffer of that batch's rows;
+the arena lives in host memory, so on a GPU that is one device-to-host (or
+host-to-device) copy per layer per batch, and the staging buffer is pinned: the
+copy engine reads and writes it directly, and a load's host-to-device copy runs
+asynchronously (PyTorch's caching host allocator keeps a pinned buffer from reuse
+until the copies that read it have run). On the CPU the same code runs unpinned.
 Knows nothing of keys, etcd or the network.
 """
 
@@ -64,6 +68,7 @@ class PagedKV:
         self.block_elements = sizes.pop()
         self.dtype = dtypes.pop()
         self.device = self.layers[0].tensor.device
+        self.pinned = self.device.type == "cuda"
         if self.block_elements % (2 * block_size):
             raise UnsupportedLayout(f"{self.block_elements} elements per layer block is not K and V of {block_size} tokens")
 
@@ -72,6 +77,10 @@ class PagedKV:
         head_dim = self.block_elements // (2 * self.block_size)
         return ArenaShape(num_blocks, len(self.layers), self.block_size, 1, head_dim)
 
+    def staging(self, num_blocks: int) -> torch.Tensor:
+        """Host rows for one layer's batch of blocks, pinned next to a GPU."""
+        return torch.empty((num_blocks, self.block_elements), dtype=self.dtype, pin_memory=self.pinned)
+
     def save(self, vllm_ids: Sequence[int], arena: KVArena, pool_ids: Sequence[int]) -> None:
         """vLLM blocks -> pool blocks, pairwise."""
         if not vllm_ids:
@@ -79,9 +88,11 @@ class PagedKV:
         source = torch.tensor(list(vllm_ids), device=self.device)
         target = torch.tensor(list(pool_ids), device=arena.device)
         slots = arena.tensor.view(arena.num_blocks, len(self.layers), -1)
+        rows = self.staging(len(vllm_ids))  # reused layer after layer: each copy into it is complete on return
         for i, layer in enumerate(self.layers):
             blocks = layer.tensor.index_select(layer.block_dim, source).movedim(layer.block_dim, 0)
-            slots[target, i] = blocks.reshape(len(vllm_ids), -1).to(arena.device)
+            rows.view(blocks.shape).copy_(blocks)
+            slots[target, i] = rows
 
     def load(self, arena: KVArena, pool_ids: Sequence[int], vllm_ids: Sequence[int]) -> None:
         """Pool blocks -> vLLM blocks, pairwise, every layer."""
@@ -98,7 +109,8 @@ class PagedKV:
         slots = arena.tensor.view(arena.num_blocks, len(self.layers), -1)
         shape = list(layer.tensor.shape)
         shape.pop(layer.block_dim)
-        blocks = slots[source, index].to(self.device, non_blocking=True).reshape(len(vllm_ids), *shape)
+        rows = torch.index_select(slots[:, index], 0, source, out=self.staging(len(vllm_ids)))
+        blocks = rows.to(self.device, non_blocking=self.pinned).reshape(len(vllm_ids), *shape)
         layer.tensor.index_copy_(layer.block_dim, target, blocks.movedim(0, layer.block_dim))
 
 
