@@ -8,6 +8,7 @@ made on the spot by scripts/make_tiny_llama.py (no download).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import threading
 import time
@@ -228,8 +229,25 @@ def requests_seen(url: str, node: str) -> int:
     return route(url, "load probe")["loads"][node]["requests"]
 
 
+@contextlib.contextmanager
+def explained_by_sidecar(cluster, name: str):
+    """A failure inside says what the node's sidecar warned of (a lost lease, vLLM not answering)."""
+    try:
+        yield
+    except (AssertionError, KeyError) as error:
+        path = cluster.log_dir / f"{name}-sidecar.log"
+        lines = path.read_text().splitlines() if path.exists() else []
+        warned = [line for line in lines if " WARNING " in line or " ERROR " in line]
+        raise AssertionError(f"{error!r}; {name}'s sidecar warned: {warned[-10:]}") from error
+
+
 def test_load_sent_to_vllm_directly_reaches_every_router_through_the_sidecar(fleet):
     """No router sent this request: both routers learn of it from vLLM's /metrics, via the node's record."""
+    with explained_by_sidecar(fleet, "vllm-1"):
+        _load_reaches_every_router(fleet)
+
+
+def _load_reaches_every_router(fleet):
     server = fleet.vllm_servers["vllm-1"]
     routers = [fleet.router_url, fleet.extra_routers["rr"].url]
     deadline = time.monotonic() + 60  # the second router's mirror may not list vllm-1 yet
@@ -239,16 +257,21 @@ def test_load_sent_to_vllm_directly_reaches_every_router_through_the_sidecar(fle
     seen: list[list[int]] = []
     streamed: list[int] = []  # tokens the busy stream got, so a failure says whether it ran at all
 
+    failed: list[BaseException] = []
+
     def busy() -> None:  # streams, one after another until the load was seen (a fast vLLM ends one early)
-        while not seen and time.monotonic() < deadline:
-            stream = client_for(server.url).completions.create(model=MODEL, prompt="Busy " + SHARED, max_tokens=1500,
-                                                               temperature=0, stream=True,
-                                                               extra_body={"ignore_eos": True})  # fmt: skip
-            for _ in stream:
-                streamed.append(1)
-                if seen:
-                    break
-            stream.close()
+        try:
+            while not seen and time.monotonic() < deadline:
+                stream = client_for(server.url).completions.create(
+                    model=MODEL, prompt="Busy " + SHARED, max_tokens=1500, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True})
+                for _ in stream:
+                    streamed.append(1)
+                    if seen:
+                        break
+                stream.close()
+        except Exception as error:  # the failure's message shows it
+            failed.append(error)
 
     deadline = time.monotonic() + 90
     thread = threading.Thread(target=busy)
@@ -262,7 +285,8 @@ def test_load_sent_to_vllm_directly_reaches_every_router_through_the_sidecar(fle
         time.sleep(0.1)
     seen.append([])  # lets the stream go even when the load was never seen
     thread.join(120)
-    assert seen[0] == [1, 1], f"the routers never saw vLLM's own count: (tokens streamed, counts) {history[::5]}"
+    assert seen[0] == [1, 1], (f"the routers never saw vLLM's own count: (tokens streamed, counts) {history[::5]}; "
+                               f"the stream failed: {failed}")
     _, kvs = etcdctl_get_prefix(fleet.etcd, Layout("default").node_key("vllm-1").decode())
     assert len(kvs) == 1  # the record that carries it
     deadline = time.monotonic() + 60

@@ -38,7 +38,9 @@ KIND = "vllm"
 class HealthConfig:
     period_s: float = 1.0
     max_failures: int = 3
-    timeout_s: float = 2.0
+    # a vLLM on CPU spins its engine threads on every core while it runs, and its API server may answer
+    # late then: a slow answer is not a dead server (a dead one refuses at once: max_failures periods)
+    timeout_s: float = 5.0
     load_period_s: float = 0.2  # how often vLLM's /metrics is read for the record's load
 
 
