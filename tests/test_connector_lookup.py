@@ -31,15 +31,17 @@ TOKENS = list(range(3 * BLOCK + 5))  # 3 full blocks, then a partial one
 
 
 class PeerPool:
-    """A peer's pool record and its blocks in etcd, kept alive on a loop thread of its own."""
+    """A pool's record and its blocks in etcd (a peer's, or node b's own), kept alive on a loop thread of its own."""
 
-    def __init__(self, endpoint: str, ns: str, keys: list[bytes]) -> None:
+    def __init__(self, endpoint: str, ns: str, keys: list[bytes], node_id: str = "a.pool",
+                 tiers: tuple[str, ...] = ("device",)) -> None:  # fmt: skip
         self.loop = LoopThread("peer-pool")
         self.etcd = EtcdClient(endpoint)
-        record = NodeRecord("a.pool", "", "tcp://127.0.0.1:9", BLOCK, 64, NAMESPACE.model, kind=POOL_KIND,
+        record = NodeRecord(node_id, "", "tcp://127.0.0.1:9", BLOCK, 64, NAMESPACE.model, kind=POOL_KIND,
                             namespace=NAMESPACE.root().hex())
         self.membership = Membership(self.etcd, Layout(ns), record, MembershipConfig(ttl_s=10))
-        self.publisher = Publisher(self.etcd, self.membership, lambda: [(key, "device") for key in keys])
+        placed = [(key, tiers[min(i, len(tiers) - 1)]) for i, key in enumerate(keys)]  # the last tier repeats
+        self.publisher = Publisher(self.etcd, self.membership, lambda: placed)
         self.loop.run(self.publisher.start())
         self.loop.run(self.membership.start())
 
@@ -124,3 +126,17 @@ def test_a_lookup_past_its_timeout_computes_the_request_without_the_pool(etcd, n
             free.set()
     finally:
         side.close()
+
+
+@pytest.mark.parametrize("tiers, background", [(("device",), False), (("device", "disk"), True)])
+def test_a_load_from_the_own_pool_waits_in_the_background_only_when_blocks_are_on_its_ssd(etcd, ns, tiers,
+                                                                                         background):  # fmt: skip
+    own = PeerPool(etcd.endpoint, ns, chain(TOKENS[: 3 * BLOCK], NAMESPACE), node_id="b.pool", tiers=tiers)
+    side = side_for(etcd, ns, lookup_timeout_s=60.0)
+    try:
+        assert until_planned(side, "r1") == 3 * BLOCK
+        # in the host arena: copied layer by layer under the forward pass; on the SSD: read while vLLM runs others
+        assert side.loads_in_background("r1") is background
+    finally:
+        side.close()
+        own.close()

@@ -7,9 +7,9 @@ names A's pool as the peer. The oracle for every answer is B itself asked cold:
 a fresh cache_salt puts the request in a namespace nobody holds, so vLLM
 recomputes every block. A's transfer server has a fault file (pool_faults.py)
 that the tests switch between serving normally, corrupting blocks, pausing
-and stalling mid-fetch; a test kills A during such a stall. B loads from A in
-the background (vLLM runs its other requests meanwhile) and from its own pool
-layer by layer; both pools write saved blocks through to their SSD tier. The tests run
+and stalling mid-fetch; a test kills A during such a stall. B loads from A and from its own SSD in
+the background (vLLM runs its other requests meanwhile) and from its own host
+arena layer by layer; both pools write saved blocks through to their SSD tier. The tests run
 in file order on one module-scoped pair of servers (vLLM starts slowly).
 """
 
@@ -104,9 +104,11 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair(model_dir, tmp_path_factory):
-    pair = Pair(model_dir, tmp_path_factory.mktemp("conn"))
-    with pair.cluster:
-        yield pair
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_SERVER_DEV_MODE", "1")  # vLLM's /reset_prefix_cache (its own cache; the pool keeps its blocks)
+        pair = Pair(model_dir, tmp_path_factory.mktemp("conn"))
+        with pair.cluster:
+            yield pair
 
 
 def test_b_loads_a_prefix_computed_on_a_and_answers_like_a_cold_recompute(pair):
@@ -228,7 +230,27 @@ def test_b_restarted_serves_a_prefix_from_its_warm_ssd_tier(pair):
     answer = complete(pair.url("b"), text)
     assert cached(answer) == len(keys) * BLOCK
     assert pair.loads("b") == [(len(keys), len(keys), 0, 0)]  # all from its own SSD: A is dead
-    # a load from its own pool goes layer by layer: vLLM's CPU attention waited for both layers
-    assert f"prefixpool layer-wise load: {len(keys)} blocks, 2 of 2 layers waited for" in pair.log("b")
+    assert "[background]" in pair.log("b")  # read from the disk while vLLM could run other requests
     cold = complete(pair.url("b"), text, salt="cold-four")
     assert answer.choices[0].text == cold.choices[0].text
+
+
+def test_b_loads_a_prefix_from_its_own_arena_layer_by_layer(pair):
+    """B computes a prompt (its pool saves the blocks into the host arena); with vLLM's own cache reset,
+    B takes the prefix from the arena a layer at a time under the forward pass."""
+    text = prompt("seven")
+    keys = pair.keys(text)
+    first = complete(pair.url("b"), text)
+    pair.wait_held("b", keys)
+    held = pair.held_by("b")
+    assert {held[key] for key in keys} == {DEVICE}  # in the arena (also written through to SSD)
+    status, body = post(pair.url("b"), "/reset_prefix_cache", b"")
+    assert (status, body) == (200, {"success": True})  # nothing running holds a block
+    loads_before = len(pair.loads("b"))
+    answer = complete(pair.url("b"), text)
+    assert cached(answer) == len(keys) * BLOCK
+    assert pair.loads("b")[loads_before:] == [(len(keys), len(keys), 0, 0)]
+    # vLLM's CPU attention waited for both layers' copies
+    assert f"prefixpool layer-wise load: {len(keys)} blocks, 2 of 2 layers waited for" in pair.log("b")
+    cold = complete(pair.url("b"), text, salt="cold-seven")
+    assert answer.choices[0].text == cold.choices[0].text == first.choices[0].text

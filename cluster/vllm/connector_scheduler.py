@@ -8,10 +8,11 @@
                                                   saves: each scheduled request's full blocks that the
                                                   step completes, [saved, full), with keys chained on
 
-A plan that needs a peer loads in the background (get_num_new_matched_tokens
-answers load_async=True: vLLM parks the request in WAITING_FOR_REMOTE_KVS and
-runs the others); one from this node's own pool loads layer-wise under the
-step's forward pass. The lookup itself never blocks vLLM for long: answering
+A plan that needs a peer, or blocks on this node's SSD tier, loads in the
+background (get_num_new_matched_tokens answers load_async=True: vLLM parks the
+request in WAITING_FOR_REMOTE_KVS and runs the others while the pool reads the
+network or the disk); one held in this node's host arena loads layer-wise under
+the step's forward pass. The lookup itself never blocks vLLM for long: answering
 None makes vLLM ask again next step. etcd is only a hint: the worker reports
 blocks that did not arrive and vLLM recomputes from the first of them; a request
 fetches from a peer once (after a failure it takes its own pool or recomputes). Saving resumes from the computed-token
@@ -62,6 +63,7 @@ class SaveOp:
 class Plan:
     keys: list[BlockKey]
     peer_url: str
+    on_disk: bool = False  # some of this node's own blocks are on its SSD tier (per the index)
 
 
 @dataclass
@@ -109,9 +111,10 @@ class SchedulerSide:
         return len(plan.keys) * self.block_size - num_local
 
     def loads_in_background(self, request_id: str) -> bool:
-        """Whether the planned load waits in the background: blocks from a peer (the network), if allowed."""
+        """Whether the planned load waits in the background (if allowed): blocks from a peer (the network)
+        or from this node's SSD tier (the disk), not from memory."""
         planned = self._plans.get(request_id)
-        return self.config.async_load and planned is not None and bool(planned[0].peer_url)
+        return self.config.async_load and planned is not None and bool(planned[0].peer_url or planned[0].on_disk)
 
     def _lookup(self, request_id: str, keys: list[BlockKey], peers: bool) -> Plan | None:
         """The plan, read on the mirror's own thread. Waits LOOKUP_WAIT_S for it, then raises _StillLooking
@@ -141,7 +144,7 @@ class SchedulerSide:
         if peers and peers_allowed:
             num, node_id = max(peers)
             return Plan(keys[:num], self._mirror.nodes[node_id].transfer_url)
-        return Plan(keys[:own], "") if own else None
+        return Plan(keys[:own], "", bool(self._mirror.lower_tiers(self.node_id, keys[:own]))) if own else None
 
     def allocated(self, request_id: str, num_external: int) -> None:
         background = self.loads_in_background(request_id)
