@@ -10,6 +10,7 @@ free, allocate, commit and pin): every other part holds blocks through it.
     blocks.adopt(hold, i, key)        a key a twin already answers for: hold the twin instead
     blocks.release(hold, keep=0)      free the hold's blocks after the first `keep`, tail first
     blocks.promote(keys)              lift the host/SSD run after the device prefix into device blocks
+    blocks.clear()                    forget every block nobody holds, in every tier (stale KV: new weights)
     blocks.pin / unpin / refresh_soft TTL pins from the registry (store/pins.py), applied to the pool
     blocks.checksums                  committed blocks' payload checksums (store/checksums.py),
                                       forgotten here whenever a block is allocated to be written
@@ -203,6 +204,15 @@ class NodeBlocks:
         for key in found:
             self._journal.store(DISK, key)
         return found
+
+    def clear(self) -> list[BlockKey]:
+        """Forget every block no hold or pin keeps, on the device and in every lower tier; returns the keys."""
+        changes = self.tiers.clear()
+        for key in self.pool.cached_keys():
+            if self.pool.drop(key):
+                changes.remove(DEVICE, key)
+        self._journal.extend(changes)
+        return changes.keys()
 
     def take_changes(self) -> TierChanges:
         """Every tier change since the last call: demotions, promotions, SSD writes."""

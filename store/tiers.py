@@ -118,6 +118,9 @@ class NoTiers:
     def check_integrity(self) -> None:
         pass
 
+    def clear(self) -> TierChanges:
+        return TierChanges()
+
     def close(self) -> None:
         pass
 
@@ -218,6 +221,17 @@ class TierChain:
     def scan(self) -> list[BlockKey]:
         """After a restart: index the valid SSD files."""
         return self.disk.scan() if self.disk is not None else []
+
+    def clear(self) -> TierChanges:
+        """Every block below the device forgotten (SSD files deleted, queued writes landed first)."""
+        changes = TierChanges()
+        if self.disk is not None:
+            self.disk.flush()
+        for tier in self.lower:
+            for key in list(tier.index):
+                tier.remove(key)
+                changes.remove(tier.name, key)
+        return changes
 
     def check_integrity(self) -> None:
         # Not checked: host exclusive of the device. A lift keeps it so, but the engine may

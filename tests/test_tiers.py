@@ -86,6 +86,32 @@ def test_host_victims_go_to_ssd_and_come_back_identical(tmp_path):
     tiered.tiers.disk.close()
 
 
+def test_clear_forgets_every_unheld_block_in_every_tier_and_keeps_the_held_ones(tmp_path):
+    """vLLM's reset of the connector's cache (new weights): nothing stale may come back from any tier."""
+    tiered = make(2, 2, 16, tmp_path)
+    prompts = [chain([10 * i, 10 * i + 1], NS) for i in range(4)]  # device 3, host 2, SSD 0 and 1
+    for keys in prompts:
+        compute(tiered, keys)
+    tiered.tiers.disk.flush()
+    assert len(list(tmp_path.glob("*.blk"))) == 4
+    tiered.tiers.disk.put(chain([99], NS)[0], kv_of(b"\0" * 16).reshape(-1).view(torch.uint8))  # a queued write
+    held = tiered.acquire(prompts[3][:1])
+    tiered.take_changes()
+    cleared = tiered.clear()
+    everything = {key for keys in prompts for key in keys} | {chain([99], NS)[0]}
+    assert set(cleared) == everything - {prompts[3][0]}
+    assert {key: tiered.tier_of(key) for key in everything} == {key: None for key in everything} | {prompts[3][0]: "device"}
+    assert sorted(tiered.take_changes().keys()) == sorted(cleared)  # journalled, for the publisher
+    assert list(tmp_path.glob("*.blk")) == []  # the queued write landed first, then went with the rest
+    for keys in prompts[:3]:
+        assert tiered.tier_hits(keys).total == 0
+    tiered.release(held)
+    check(tiered)
+    hit, _ = compute(tiered, prompts[0])  # computed again, from nothing
+    assert hit == 0
+    tiered.tiers.disk.close()
+
+
 def test_a_corrupt_ssd_block_is_a_miss_and_is_recomputed(tmp_path):
     tiered = make(2, 0, 8, tmp_path)  # no host tier: the device demotes straight to SSD
     assert tiered.tiers.host is None and [t.name for t in tiered.tiers.lower] == ["disk"]

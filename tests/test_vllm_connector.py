@@ -254,3 +254,20 @@ def test_b_loads_a_prefix_from_its_own_arena_layer_by_layer(pair):
     assert f"prefixpool layer-wise load: {len(keys)} blocks, 2 of 2 layers waited for" in pair.log("b")
     cold = complete(pair.url("b"), text, salt="cold-seven")
     assert answer.choices[0].text == cold.choices[0].text == first.choices[0].text
+
+
+def test_a_reset_of_the_connector_cache_empties_b_s_pool_so_nothing_stale_is_loaded(pair):
+    """`/reset_prefix_cache?reset_external=true` (after a weight update): B's pool forgets its blocks at
+    vLLM's next step, before that step's loads; the request that step plans from the pool recomputes."""
+    text = prompt("seven")  # in B's arena (the test above)
+    keys = pair.keys(text)
+    assert set(keys) <= pair.held_by("b").keys()
+    status, body = post(pair.url("b"), "/reset_prefix_cache?reset_external=true", b"")
+    assert (status, body) == (200, {"success": True})
+    loads_before = len(pair.loads("b"))
+    answer = complete(pair.url("b"), text)
+    cleared = re.findall(r"prefixpool pool cleared: (\d+) blocks forgotten", pair.log("b"))
+    assert len(cleared) == 1 and int(cleared[0]) >= len(keys)
+    assert [loaded for loaded, *_ in pair.loads("b")[loads_before:]] in ([], [0])  # a plan made before: nothing
+    cold = complete(pair.url("b"), text, salt="cold-eight")
+    assert answer.choices[0].text == cold.choices[0].text

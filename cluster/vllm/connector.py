@@ -50,6 +50,7 @@ class PrefixPoolMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
     idle: bool = False  # the step computes nothing: vLLM only polls (e.g. for a background load)
+    clear: bool = False  # vLLM reset the connector's cache: the pool forgets its blocks before the loads
 
 
 def _poolable(request: "Request") -> bool:
@@ -80,6 +81,8 @@ class PrefixPoolConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, PrefixPoolMetadata)
+        if metadata.clear:
+            self.worker.clear()
         self.worker.load(metadata.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -129,7 +132,15 @@ class PrefixPoolConnector(KVConnectorBase_V1):
             return manager.get_block_ids(request_id)[0]
 
         loads, saves = self.scheduler.step(scheduler_output.num_scheduled_tokens, self._requests, block_ids)
-        return PrefixPoolMetadata(loads, saves, idle=scheduler_output.total_num_scheduled_tokens == 0)
+        return PrefixPoolMetadata(loads, saves, idle=scheduler_output.total_num_scheduled_tokens == 0,
+                                  clear=self.scheduler.take_reset())
+
+    def reset_cache(self) -> bool:
+        """`POST /reset_prefix_cache?reset_external=true` (e.g. after a weight update): this server's pool
+        forgets every block, in memory, on SSD and in etcd, at the start of vLLM's next step (a load
+        planned before it finds nothing and is recomputed)."""
+        self.scheduler.reset()
+        return True
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)

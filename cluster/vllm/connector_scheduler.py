@@ -4,6 +4,8 @@
         etcd mirror: longest prefix per node ─▶ this node's pool, else the pool holding the most
         ─▶ plan (keys[:n], peer URL or "") and n·block_size − local tokens (0 when n ≤ local)
     update_state_after_alloc                      the plan becomes a load into the request's blocks [local, n)
+    reset()                                       vLLM reset the connector's cache: the next step's
+                                                  metadata tells the worker to clear the pool
     build_connector_meta(step)                    loads: every planned load, with vLLM block ids
                                                   saves: each scheduled request's full blocks that the
                                                   step completes, [saved, full), with keys chained on
@@ -87,6 +89,7 @@ class SchedulerSide:
         self._loads: dict[str, tuple[Plan, int, bool]] = {}  # ... and whether it loads in the background
         self._lookups: dict[str, tuple[float, concurrent.futures.Future]] = {}  # request -> (started, lookup)
         self._tracked: dict[str, _Tracked] = {}
+        self.reset_pending = False  # the worker clears the pool at the start of the next step
 
     def close(self) -> None:
         self._loop.run(self._mirror.stop())
@@ -145,6 +148,15 @@ class SchedulerSide:
             num, node_id = max(peers)
             return Plan(keys[:num], self._mirror.nodes[node_id].transfer_url)
         return Plan(keys[:own], "", bool(self._mirror.lower_tiers(self.node_id, keys[:own]))) if own else None
+
+    def reset(self) -> None:
+        """vLLM's reset of the connector's cache (after a weight update): plans made so far are stale too."""
+        self.reset_pending = True
+        self._plans.clear()
+
+    def take_reset(self) -> bool:
+        reset, self.reset_pending = self.reset_pending, False
+        return reset
 
     def allocated(self, request_id: str, num_external: int) -> None:
         background = self.loads_in_background(request_id)

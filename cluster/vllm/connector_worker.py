@@ -10,6 +10,7 @@
                      a layer at a time on the copy thread; wait_for_layer(name) waits for one layer
     save(ops)        wait_for_save: the step's layer-wise copies done, holds released; then each op's
                      blocks up to the first invalid one -> the pool
+    clear()          vLLM reset the connector's cache: the pool forgets every block (before this step's loads)
     take_invalid()   the invalid vLLM block ids (vLLM recomputes from the first), once; for a background
                      load they come in the same call as its request's finish, as vLLM asks
 
@@ -106,6 +107,10 @@ class WorkerSide:
     @property
     def deadline_s(self) -> float:
         return self.config.fetch_timeout_s + MARGIN_S
+
+    def clear(self) -> None:
+        num = self._loop.run(self.node.clear())
+        log.info("prefixpool pool cleared: %d blocks forgotten (vLLM reset the connector's cache)", num)
 
     def load(self, ops: Sequence[LoadOp]) -> None:
         for op in ops:

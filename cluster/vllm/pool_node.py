@@ -10,6 +10,8 @@
     load(keys, first, vllm_ids, peer, may_copy)
         prepare, copy pool blocks [first, n) -> vLLM blocks (unless may_copy() says vLLM gave up), release;
         Loaded(n) says how many arrived intact (a layer-wise load copies a prepared hold itself)
+    clear()                        every block nobody holds forgotten (arena and SSD) and deleted from etcd:
+                                   vLLM's reset of the connector's cache (new weights make the KV stale)
 
     etcd: record "<node>.pool" (kind vllm-pool, its transfer URL) under a lease of its own,
           every block under that lease, in the tier that holds it (first tier = host-memory arena)
@@ -165,6 +167,13 @@ class PoolNode:
         hold = self.blocks.acquire(keys)  # what is here now: local, fetched, and what a failed fetch committed
         self._publish(self.blocks.take_changes().keys())
         return Prepared(hold, num_fetched, num_bytes)
+
+    async def clear(self) -> int:
+        """Forget every unheld block, in memory and on SSD, and delete them from etcd; returns how many."""
+        keys = self.blocks.clear()
+        self._publish(keys)
+        await self.publisher.flush()
+        return len(keys)
 
     def release(self, prepared: Prepared) -> None:
         self.blocks.release(prepared.hold)
