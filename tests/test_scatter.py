@@ -19,13 +19,8 @@ def buffers(sizes: list[int]) -> list[memoryview]:
     return [memoryview(bytearray(size)) for size in sizes]
 
 
-async def scatter_all(sizes: list[int], payload: bytes, trailer: bytes) -> tuple[list[memoryview], list[int], bytes]:
-    """Send payload + trailer, scatter the payload into buffers of `sizes`; returns the buffers, the
-    bytes each receive completed, and what was left in the socket afterwards."""
-    reader, writer = socket.socketpair()
-    reader.setblocking(False)
-    targets = buffers(sizes)
-    sent = asyncio.get_running_loop().run_in_executor(None, writer.sendall, payload + trailer)
+async def receive_into(reader: socket.socket, targets: list[memoryview]) -> list[int]:
+    """Scatter from `reader` until every target is full; the bytes each receive completed."""
     scatter, per_receive, done = Scatter(reader, iter(targets)), [], 0
     try:
         while done < len(targets):
@@ -34,6 +29,17 @@ async def scatter_all(sizes: list[int], payload: bytes, trailer: bytes) -> tuple
             per_receive.append(sum(view.nbytes for view in completed))
     finally:
         scatter.close()
+    return per_receive
+
+
+async def scatter_all(sizes: list[int], payload: bytes, trailer: bytes) -> tuple[list[memoryview], list[int], bytes]:
+    """Send payload + trailer, scatter the payload into buffers of `sizes`; returns the buffers, the
+    bytes each receive completed, and what was left in the socket afterwards."""
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    targets = buffers(sizes)
+    sent = asyncio.get_running_loop().run_in_executor(None, writer.sendall, payload + trailer)
+    per_receive = await receive_into(reader, targets)
     await sent
     writer.close()
     rest = b""
@@ -71,17 +77,7 @@ def test_one_receive_stops_at_about_scatter_bytes_though_more_has_arrived():
     assert queued == len(payload), f"only {queued} of {len(payload)} bytes queued"
     reader.setblocking(False)
     targets = buffers(sizes)
-
-    async def receive_all() -> list[int]:
-        scatter, taken, done = Scatter(reader, iter(targets)), [], 0
-        while done < len(targets):
-            completed = await scatter.receive()
-            done += len(completed)
-            taken.append(sum(view.nbytes for view in completed))
-        scatter.close()
-        return taken
-
-    taken = asyncio.run(receive_all())
+    taken = asyncio.run(receive_into(reader, targets))
     sending.join()
     writer.close()
     reader.close()

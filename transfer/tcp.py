@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 def _tune(sock: socket.socket) -> None:
     """Non-blocking and no Nagle delay. The kernel's buffers stay autotuned: a fixed SO_RCVBUF
     would lock the window (and net.core.rmem_max caps it, 4 MiB on our machines), while
-    autotuning grows it to tcp_rmem's maximum and to twice a receive's wake-up threshold."""
+    autotuning grows it up to tcp_rmem's maximum (32 MiB on our machines)."""
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 

@@ -89,7 +89,7 @@ class SchedulerSide:
         self._loads: dict[str, tuple[Plan, int, bool]] = {}  # ... and whether it loads in the background
         self._lookups: dict[str, tuple[float, concurrent.futures.Future]] = {}  # request -> (started, lookup)
         self._tracked: dict[str, _Tracked] = {}
-        self.reset_pending = False  # the worker clears the pool at the start of the next step
+        self._reset_pending = False  # the worker clears the pool at the start of the next step
 
     def close(self) -> None:
         self._loop.run(self._mirror.stop())
@@ -151,11 +151,12 @@ class SchedulerSide:
 
     def reset(self) -> None:
         """vLLM's reset of the connector's cache (after a weight update): plans made so far are stale too."""
-        self.reset_pending = True
+        self._reset_pending = True
         self._plans.clear()
 
     def take_reset(self) -> bool:
-        reset, self.reset_pending = self.reset_pending, False
+        """Whether vLLM reset the cache since the last call (the step's metadata carries it once)."""
+        reset, self._reset_pending = self._reset_pending, False
         return reset
 
     def allocated(self, request_id: str, num_external: int) -> None:
