@@ -14,10 +14,7 @@ RUN pip install --no-cache-dir ${TORCH_INDEX:+--index-url $TORCH_INDEX} "$TORCH_
 
 WORKDIR /opt/prefixpool
 COPY pyproject.toml setup.py README.md ./
-COPY store store
-COPY transfer transfer
-COPY router router
-COPY cluster cluster
+COPY prefixpool prefixpool
 RUN pip install --no-cache-dir ".[ucx,ray]"
 
 RUN useradd --create-home --uid 1000 prefixpool

@@ -33,14 +33,12 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from cluster.deploy.etcd_server import EtcdServer  # noqa: E402
-from cluster.deploy.vllm_fleet import vllm_temp_dir  # noqa: E402
-from cluster.meta.etcd_client import EtcdClient  # noqa: E402
-from cluster.meta.layout import Layout  # noqa: E402
-from cluster.vllm.connector_config import kv_transfer_json  # noqa: E402
-from cluster.vllm.server import DEFAULT_PYTHON, VllmConfig, VllmServer  # noqa: E402
+from prefixpool.deploy.etcd_server import EtcdServer
+from prefixpool.deploy.vllm_fleet import vllm_temp_dir
+from prefixpool.meta.etcd_client import EtcdClient
+from prefixpool.meta.layout import Layout
+from prefixpool.vllm_connector.config import kv_transfer_json
+from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, VllmConfig, VllmServer
 
 MODEL = "bench-llama"
 BLOCK = 32
@@ -155,7 +153,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-connector-") as tmp, EtcdServer() as etcd:
         run_dir, model = Path(tmp), Path(tmp) / "model"
-        subprocess.run([str(DEFAULT_PYTHON), str(REPO / "scripts" / "make_tiny_llama.py"), str(model), *SIZE],
+        subprocess.run([str(DEFAULT_PYTHON), "-m", "prefixpool.testing.tiny_llama", str(model), *SIZE],
                        check=True, capture_output=True, timeout=600)
         load_before = os.getloadavg()
         try:

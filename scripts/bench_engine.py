@@ -36,17 +36,15 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cluster.engine.checkpoint import load_checkpoint  # noqa: E402
-from cluster.engine.torch_dtype import dtype_name  # noqa: E402
-from cluster.engine.model_config import arena_shape_for, namespace_for  # noqa: E402
-from cluster.engine.sampling import SamplingParams  # noqa: E402
-from cluster.engine.scheduler import Engine  # noqa: E402
-from cluster.engine.sequence import RequestStats  # noqa: E402
-from store.arena import KVArena  # noqa: E402
-from store.node_blocks import NodeBlocks  # noqa: E402
-from store.pool import BlockPool  # noqa: E402
+from prefixpool.engine.checkpoint import load_checkpoint
+from prefixpool.engine.torch_dtype import dtype_name
+from prefixpool.model.config import arena_shape_for, namespace_for
+from prefixpool.engine.sampling import SamplingParams
+from prefixpool.engine.scheduler import Engine
+from prefixpool.engine.sequence import RequestStats
+from prefixpool.store.arena import KVArena
+from prefixpool.store.node_blocks import NodeBlocks
+from prefixpool.store.pool import BlockPool
 
 BLOCK_SIZE = 16
 DECODE_PROMPT = 128

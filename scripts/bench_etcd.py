@@ -18,25 +18,21 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cluster.meta.etcd_client import EtcdClient  # noqa: E402
-from cluster.meta.layout import Layout  # noqa: E402
-from cluster.deploy.etcd_server import EtcdServer  # noqa: E402
-from cluster.meta.membership import Membership, MembershipConfig, NodeRecord  # noqa: E402
-from cluster.meta.publisher import Publisher, PublisherConfig  # noqa: E402
-from store.keys import Namespace, chain_ids  # noqa: E402
+from prefixpool.meta.etcd_client import EtcdClient
+from prefixpool.meta.layout import Layout
+from prefixpool.deploy.etcd_server import EtcdServer
+from prefixpool.meta.membership import Membership, MembershipConfig, NodeRecord
+from prefixpool.meta.publisher import Publisher, PublisherConfig
+from prefixpool.store.keys import Namespace, chain_ids
 
 TRACE_KEYS_PER_S = 1_700  # Mooncake conversation trace at 1x: 52 new 512-token blocks/s x 32 16-token blocks
 
 MIRROR_PROCESS = """
 import asyncio, json, sys, time
-sys.path.insert(0, sys.argv[3])
-from cluster.meta.etcd_client import EtcdClient
-from cluster.meta.layout import Layout
-from cluster.meta.mirror import Mirror
+from prefixpool.meta.etcd_client import EtcdClient
+from prefixpool.meta.layout import Layout
+from prefixpool.meta.mirror import Mirror
 async def main(endpoint, ns, expected):
     mirror = Mirror(EtcdClient(endpoint), Layout(ns))
     seen = {}
@@ -57,7 +53,7 @@ async def main(endpoint, ns, expected):
         await asyncio.sleep(0.05)
     print(json.dumps(seen), flush=True)
     await mirror.stop()
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[4])))
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 """
 
 
@@ -97,8 +93,7 @@ async def throughput(endpoint: str, num_nodes: int, num_keys: int, chunk: int = 
 async def lag(endpoint: str, rate: int, seconds: float) -> tuple[float, float, int]:
     """Publish `rate` keys/s in 10 ms ticks; another process's Mirror timestamps each key it sees."""
     ns, total = f"lag{rate}", int(rate * seconds)
-    watcher = subprocess.Popen([sys.executable, "-c", MIRROR_PROCESS, endpoint, ns, str(Path(__file__).parent.parent),
-                                str(total)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    watcher = subprocess.Popen([sys.executable, "-c", MIRROR_PROCESS, endpoint, ns, str(total)], stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert (await asyncio.to_thread(watcher.stdout.readline)).strip() == "ready"
     membership, publisher = await start_node(endpoint, ns, "n0", {})
     keys = chain_ids(range(10**6, 10**6 + total), Namespace("bench"))

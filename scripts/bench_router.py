@@ -6,7 +6,7 @@
    policy) for 8k- and 128k-token prompts with 8 registered workers; tokenization is
    timed in its own column.
 2. Added latency: one client, keep-alive connections, the same 8k-token completion
-   (1 output token) sent in turn to: a null worker directly (scripts/null_worker.py:
+   (1 output token) sent in turn to: a null worker directly (prefixpool/testing/null_worker.py:
    the real worker protocol, instant replies), our router in front of it, and
    sglang-router (cache_aware) in front of the same null worker's OpenAI endpoint.
    The router's added latency is its quantile minus the direct one.
@@ -37,16 +37,16 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from cluster.deploy.etcd_server import EtcdServer, free_port
-from cluster.deploy.processes import Child, python_argv, spawn
-from cluster.meta.membership import NodeRecord
-from router.cost_model import CostModel
-from router.index import BlockIndex
-from router.openai_schema import CompletionBody
-from router.service import Router, RouterConfig
-from router.contract.tokenizer import load_tokenizer
-from router.worker_client import WorkerClient
-from store.keys import Namespace, chain
+from prefixpool.deploy.etcd_server import EtcdServer, free_port
+from prefixpool.deploy.processes import Child, python_argv, spawn
+from prefixpool.meta.membership import NodeRecord
+from prefixpool.router.cost_model import CostModel
+from prefixpool.meta.index import BlockIndex
+from prefixpool.router.openai_schema import CompletionBody
+from prefixpool.router.service import Router, RouterConfig
+from prefixpool.model.tokenizer import load_tokenizer
+from prefixpool.router.worker_client import WorkerClient
+from prefixpool.store.keys import Namespace, chain
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,7 +128,7 @@ class Stack:
 
     def start(self) -> "Stack":
         self.etcd = EtcdServer().start()
-        self.worker = self._spawn("null-worker", [sys.executable, str(ROOT / "scripts/null_worker.py"),
+        self.worker = self._spawn("null-worker", [sys.executable, "-m", "prefixpool.testing.null_worker",
                                                   "--etcd-endpoints", self.etcd.endpoint, "--node-id", "null-0"])
         common = ("--port", "0", "--etcd-endpoints", self.etcd.endpoint)
         self.router = self._spawn("router-1", python_argv("router", *common, "--router-id", "bench-1"))
@@ -271,8 +271,8 @@ def throughput(targets: dict[str, str], body: bytes, concurrency: int, requests:
 
 def demo_fetch_ttft(fetch_while_queued: bool) -> float:
     """Median TTFT of `prefixpool demo`'s remote-fetch phase, workers run with the given setting."""
-    from cluster.deploy.demo import DOCUMENT, Demo, _wait_ready
-    from cluster.deploy.launcher import LocalCluster
+    from prefixpool.deploy.demo import DOCUMENT, Demo, _wait_ready
+    from prefixpool.deploy.launcher import LocalCluster
 
     worker_args = ("--num-blocks", "2048", "--lease-ttl-s", "5", "--fetch-while-queued", str(fetch_while_queued))
     with LocalCluster(2, worker_args) as cluster:

@@ -20,10 +20,10 @@ import tracemalloc
 import numpy as np
 import xxhash
 
-from store import keys
-from store.keys import Namespace, chain, pack_tokens
-from store.node_blocks import NodeBlocks
-from store.pool import BlockPool
+from prefixpool.store import keys
+from prefixpool.store.keys import Namespace, chain, pack_tokens
+from prefixpool.store.node_blocks import NodeBlocks
+from prefixpool.store.pool import BlockPool
 
 
 def best_of(fn, repeat: int = 7) -> float:

@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from store.arena import ArenaShape, KVArena
-from store.disk_tier import DiskTier
-from store.host_tier import HostTier
-from store.keys import Namespace, chain
-from store.node_blocks import NodeBlocks
-from store.pool import BlockPool
-from store.tiers import TierChain
+from prefixpool.store.arena import ArenaShape, KVArena
+from prefixpool.store.disk_tier import DiskTier
+from prefixpool.store.host_tier import HostTier
+from prefixpool.store.keys import Namespace, chain
+from prefixpool.store.node_blocks import NodeBlocks
+from prefixpool.store.pool import BlockPool
+from prefixpool.store.tiers import TierChain
 
 
 def best_of(fn, setup=lambda: None, repeat: int = 3) -> float:

@@ -3,9 +3,9 @@
     python scripts/bench_tiers_replay.py [--nodes 8] [--device 1000] [--host 4000] [--ssd 16000]
                                          [--policy cost] [--profile llama-3-70b-a800] [--limit N]
 
-Both Mooncake traces; every row routes with router.policy over a real
+Both Mooncake traces; every row routes with prefixpool.router.policy over a real
 BlockIndex that records tiers, each node a real BlockPool with modelled host
-and SSD LRUs under it (cluster/replay/sim_node.py). A host or SSD hit is read up at
+and SSD LRUs under it (prefixpool/replay/sim_node.py). A host or SSD hit is read up at
 the cost model's host / SSD bandwidth before prefill, on the serving node.
 Prints one markdown table per trace, with the ratio to device-only.
 """
@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from cluster.replay.simulator import SimConfig, hit_rate_bound, simulate
-from cluster.replay.trace import TRACE_BLOCK_TOKENS, load_trace
-from router.cost_model import PROFILES, profile
+from prefixpool.replay.simulator import SimConfig, hit_rate_bound, simulate
+from prefixpool.replay.trace import TRACE_BLOCK_TOKENS, load_trace
+from prefixpool.router.cost_model import PROFILES, profile
 
 
 def main() -> None:

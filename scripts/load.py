@@ -16,10 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from scripts.chaos_faults import cluster_for, wait_ready  # noqa: E402
-from scripts.chaos_client import ApiClient, Oracle, Outcome, Tally, workload  # noqa: E402
+from prefixpool.testing.chaos_faults import cluster_for, wait_ready
+from prefixpool.testing.chaos_client import ApiClient, Oracle, Outcome, Tally, workload
 
 
 def rss_mib(pid: int) -> float:

@@ -8,19 +8,15 @@ what round robin gets, cache-blind) against one node of C (what a router that
 keeps each conversation on one node could reach with the same total cache). The
 slice's working set is where one node nears the bound; vLLM instances sized at
 half of it are where cache-aware routing should matter most. Uses
-cluster.replay.simulator.hit_rate_bound.
+prefixpool.replay.simulator.hit_rate_bound.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cluster.replay.simulator import hit_rate_bound  # noqa: E402
-from cluster.replay.trace import load_trace  # noqa: E402
+from prefixpool.replay.simulator import hit_rate_bound
+from prefixpool.replay.trace import load_trace
 
 
 def main() -> None:

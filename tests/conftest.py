@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from cluster.deploy.etcd_server import EtcdServer, find_binary
+from prefixpool.deploy.etcd_server import EtcdServer, find_binary
 
 
 @pytest.fixture(scope="session")
@@ -51,10 +51,10 @@ class LocalNode:
     """A node's metadata side in this process: membership + publisher over a set of keys it 'holds'."""
 
     def __init__(self, endpoint: str, ns: str, node_id: str, ttl_s: int = 10, max_pending: int = 65_536) -> None:
-        from cluster.meta.etcd_client import EtcdClient
-        from cluster.meta.layout import Layout
-        from cluster.meta.membership import Membership, MembershipConfig, NodeRecord
-        from cluster.meta.publisher import Publisher, PublisherConfig
+        from prefixpool.meta.etcd_client import EtcdClient
+        from prefixpool.meta.layout import Layout
+        from prefixpool.meta.membership import Membership, MembershipConfig, NodeRecord
+        from prefixpool.meta.publisher import Publisher, PublisherConfig
 
         self.held: dict[bytes, str] = {}
         self.client = EtcdClient(endpoint, timeout_s=2.0)
@@ -88,7 +88,7 @@ class LocalNode:
 @pytest.fixture(scope="module")
 def hosts(request):
     """NUM_HOSTS (a module constant, default 3) network namespaces on a bridge, shared by the module's tests."""
-    from scripts.multihost import Hosts, HostsUnavailable
+    from prefixpool.testing.hosts import Hosts, HostsUnavailable
 
     made = Hosts(getattr(request.module, "NUM_HOSTS", 3))
     try:

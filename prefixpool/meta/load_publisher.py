@@ -1,0 +1,118 @@
+"""A router's presence in etcd: its own lease and its in-flight load, put coalesced.
+
+    start:  grant lease L (ttl), put routers/<id> = RouterLoad (its URL and load) under L
+    loop:   woken by the tracker's on_change, or every ttl/4 for the keepalive:
+            keepalive(L) when due; if the snapshot changed since the last put, put it; then sleep
+            `period_s`, so a burst of begins and ends costs one put, not one each
+    lost L: (etcd restarted empty, the router stalled past the TTL) grant a new one, put again
+    stop:   revoke L: the entry leaves etcd now; a killed router's entry leaves when L expires
+
+Knows nothing of routing or HTTP: it publishes what the tracker's `snapshot()` returns and
+tells it the revision that did (`published`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from prefixpool.meta.background import stop_task
+from prefixpool.meta.etcd_client import EtcdClient, EtcdError, LeaseNotFound
+from prefixpool.meta.layout import Layout
+from prefixpool.meta.fleet_load import RouterLoad, encode_load
+
+log = logging.getLogger(__name__)
+
+
+class LoadSource(Protocol):  # prefixpool.router.inflight.InflightTracker
+    def snapshot(self) -> dict[str, tuple[int, int]]: ...
+    def published(self, snapshot: dict[str, tuple[int, int]], revision: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class LoadPublisherConfig:
+    ttl_s: int = 10
+    period_s: float = 0.02  # at most one put per period
+    retry_s: float = 0.5
+
+
+class LoadPublisher:
+    def __init__(self, client: EtcdClient, layout: Layout, router_id: str, tracker: LoadSource,
+                 config: LoadPublisherConfig = LoadPublisherConfig(), url: str = "") -> None:  # fmt: skip
+        self.client, self.layout, self.router_id, self.config = client, layout, router_id, config
+        self.url = url  # where this router serves, as it advertises it
+        self.tracker = tracker
+        self.lease_id: int | None = None
+        self.revision = 0  # etcd revision of our latest put
+        self.num_puts = 0
+        self._published: dict[str, tuple[int, int]] | None = None
+        self._kept_at = 0.0  # time.monotonic() of the latest grant or keepalive
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def changed(self) -> None:
+        """The tracker's on_change: non-blocking, the put happens in the background task."""
+        self._wake.set()
+
+    async def start(self) -> None:
+        """Grant the lease and put the first entry (raises EtcdError if etcd is not there)."""
+        await self._register()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        await stop_task(self._task)
+        self._task = None
+        lease_id, self.lease_id = self.lease_id, None
+        if lease_id is not None:
+            try:
+                await self.client.revoke(lease_id)
+            except EtcdError as error:
+                log.warning("router %s: revoke failed (%s); the lease expires by itself", self.router_id, error)
+
+    async def _register(self) -> None:
+        self.lease_id = await self.client.grant(self.config.ttl_s)
+        self._kept_at = time.monotonic()
+        self._published = None
+        await self._put_if_changed()
+        log.info("router %s publishes its load under lease %x", self.router_id, self.lease_id)
+
+    async def _put_if_changed(self) -> None:
+        current = self.tracker.snapshot()
+        if current == self._published:
+            return
+        assert self.lease_id is not None
+        load = RouterLoad(self.router_id, current, self.url)
+        self.revision = await self.client.put(self.layout.router_key(self.router_id), encode_load(load), self.lease_id)
+        self._published = current
+        self.tracker.published(current, self.revision)
+        self.num_puts += 1
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.config.ttl_s / 4)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self._step()
+            except LeaseNotFound:
+                log.warning("router %s lost its lease; registering again", self.router_id)
+                self.lease_id = None
+                self._wake.set()
+            except EtcdError as error:
+                log.warning("router %s: etcd: %s; retrying in %.1fs", self.router_id, error, self.config.retry_s)
+                await asyncio.sleep(self.config.retry_s)
+                self._wake.set()
+            await asyncio.sleep(self.config.period_s)
+
+    async def _step(self) -> None:
+        if self.lease_id is None:
+            await self._register()
+        elif time.monotonic() - self._kept_at >= self.config.ttl_s / 4:
+            await self.client.keepalive(self.lease_id)
+            self._kept_at = time.monotonic()
+        await self._put_if_changed()

@@ -1,0 +1,117 @@
+"""The router's client for vLLM nodes: the worker client's events, from vLLM's own OpenAI API.
+
+    GenerateRequest (token ids the router hashed) ─▶ POST {vllm}/v1/completions
+        prompt = those token ids, stream, include_usage, return_token_ids
+    SSE chunks ─▶ Token per generated id ─▶ Done(usage: vLLM's cached_tokens as local hits)
+    vLLM 4xx  ─▶ Failed(vLLM's message, same status): the client gets vLLM's error, as an OpenAI error
+    vLLM 5xx, connection lost before a token ─▶ WorkerUnreachable (the router retries elsewhere)
+
+Sending token ids rather than text makes vLLM compute exactly the blocks the
+router routed on: the keys it predicted are the keys vLLM's events report.
+The fetch part of a plan is ignored (vLLM reads only its own cache). Knows
+nothing of routing or etcd.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import AsyncIterator
+
+import aiohttp
+
+from prefixpool.contract.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage
+from prefixpool.router.worker_client import WorkerUnreachable
+
+
+class VllmClient:
+    def __init__(self, model: str, connect_timeout_s: float = 3.0, read_timeout_s: float = 300.0) -> None:
+        self.model = model
+        self._timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout_s, sock_read=read_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def body(self, request: GenerateRequest) -> dict:
+        sampling = request.sampling
+        body = {"model": self.model, "prompt": request.token_list(), "max_tokens": sampling.max_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "ignore_eos": sampling.ignore_eos,
+                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if request.cache_salt:
+            body["cache_salt"] = request.cache_salt
+        return body
+
+    async def generate(self, vllm_url: str, request: GenerateRequest) -> AsyncIterator[Event]:
+        start = time.perf_counter()
+        try:
+            async with self._client().post(f"{vllm_url}/v1/completions", json=self.body(request)) as response:
+                if response.status != 200:
+                    yield _failure(response.status, await response.text())
+                    return
+                state = _StreamState(start)
+                async for raw in response.content:
+                    for event in state.feed(raw):
+                        yield event
+                        if not isinstance(event, Token):
+                            return
+        except (aiohttp.ClientError, ConnectionError, TimeoutError) as err:
+            raise WorkerUnreachable(f"{vllm_url}: {err!r}") from err
+        raise WorkerUnreachable(f"{vllm_url}: the stream ended without usage")
+
+
+def _failure(status: int, text: str) -> Failed:
+    """vLLM's error body, either {"error": {...}} or the older {"object": "error", "message": ...}."""
+    if status >= 500:
+        raise WorkerUnreachable(f"vLLM answered {status}: {text[:200]}")
+    try:
+        body = json.loads(text)
+        message = (body.get("error") or body).get("message") or text
+    except (ValueError, AttributeError):
+        message = text
+    return Failed(str(message)[:2000], status)
+
+
+class _StreamState:
+    """What the SSE stream has said so far: tokens, the finish reason, and then usage."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.ttft_s = 0.0
+        self.finish_reason = "length"
+
+    def feed(self, raw: bytes) -> list[Event]:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return []
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            error = chunk["error"]
+            return [Failed(str(error.get("message", error)), int(error.get("code") or 500))]
+        events: list[Event] = []
+        for choice in chunk.get("choices") or []:
+            ids = choice.get("token_ids") or []
+            if ids and not self.ttft_s:
+                self.ttft_s = time.perf_counter() - self.start
+            events += [Token(t) for t in ids]
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        if chunk.get("usage"):
+            events.append(Done(self.finish_reason, self._usage(chunk["usage"])))
+        return events
+
+    def _usage(self, usage: dict) -> Usage:
+        prompt = usage.get("prompt_tokens", 0)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return Usage(prompt_tokens=prompt, completion_tokens=usage.get("completion_tokens", 0),
+                     local_hit_tokens=cached, fetched_tokens=0, computed_tokens=prompt - cached,
+                     fetched_bytes=0, ttft_s=self.ttft_s)

@@ -1,0 +1,57 @@
+"""The router's HTTP client for workers: POST /generate and read the NDJSON event stream.
+
+Connection problems become WorkerUnreachable, so the caller can retry
+elsewhere while nothing has been streamed. Knows nothing of routing.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import aiohttp
+import msgspec
+
+from prefixpool.contract.worker_api import (MSGPACK, AUTH_HEADER, Event, GenerateRequest, PinReply, PinRequest, decode_event,
+                                       encode, encode_request)
+
+class WorkerUnreachable(Exception):
+    """The worker could not be reached or its stream broke off."""
+
+class WorkerClient:
+    def __init__(self, token: str = "", connect_timeout_s: float = 3.0, read_timeout_s: float = 120.0) -> None:
+        self._headers = {AUTH_HEADER: token} if token else {}
+        self._timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout_s, sock_read=read_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def generate(self, worker_url: str, request: GenerateRequest) -> AsyncIterator[Event]:
+        """Yield the worker's events; raise WorkerUnreachable if it cannot be reached or breaks off."""
+        try:
+            async with self._client().post(f"{worker_url}/generate", data=encode_request(request),
+                                           headers={"Content-Type": MSGPACK}) as response:
+                if response.status != 200:
+                    raise WorkerUnreachable(f"worker answered {response.status}: {(await response.text())[:200]}")
+                async for line in response.content:
+                    if line.strip():
+                        yield decode_event(line)
+        except (aiohttp.ClientError, ConnectionError, TimeoutError) as err:
+            raise WorkerUnreachable(f"{worker_url}: {err!r}") from err
+
+    async def pin(self, worker_url: str, request: PinRequest, unpin: bool = False) -> PinReply:
+        """POST (pin) or DELETE (unpin) {worker}/admin/pin."""
+        try:
+            async with self._client().request("DELETE" if unpin else "POST", f"{worker_url}/admin/pin",
+                                              data=encode(request)) as response:
+                if response.status != 200:
+                    raise WorkerUnreachable(f"worker answered {response.status}: {(await response.text())[:200]}")
+                return msgspec.json.decode(await response.read(), type=PinReply)
+        except (aiohttp.ClientError, ConnectionError, TimeoutError) as err:
+            raise WorkerUnreachable(f"{worker_url}: {err!r}") from err
