@@ -13,8 +13,8 @@ import ast
 import statistics
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("store", "transfer", "router", "cluster")
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("prefixpool", "tests", "scripts")
 
 
 def function_lengths(path: Path) -> list[tuple[str, int]]:

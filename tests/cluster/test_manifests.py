@@ -17,7 +17,7 @@ from prefixpool.deploy.vllm_node_settings import VllmNodeSettings
 from prefixpool.deploy.worker_settings import WorkerSettings
 from prefixpool.vllm_connector.config import config_from
 
-MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
+MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 OVERLAYS = ["base", "overlays/cpu", "overlays/kuberay", "overlays/vllm", "overlays/vllm-connector"]
 SETTINGS_OF = {"worker": WorkerSettings, "router": RouterSettings, "ray": RouterSettings, "vllm-node": VllmNodeSettings}
 # Variables the image itself or Kubernetes' downward API needs, not prefixpool settings.

@@ -38,7 +38,7 @@ MODEL = "tiny-vllm"
 BLOCK = 32
 TTL_S = 10  # the sidecars' etcd lease
 NAMESPACE = Namespace(model=MODEL, dtype="float32", block_size=BLOCK)
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHARED = "The quick brown fox jumps over the lazy dog while the cat sleeps by the warm fire. " * 8
 
 

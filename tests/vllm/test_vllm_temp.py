@@ -23,7 +23,7 @@ from tests.vllm.test_vllm import model_dir  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(1200)  # vLLM starts in minutes on 2 loaded cores; nothing here is timed
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 OWNER = """
 import sys
 from pathlib import Path
