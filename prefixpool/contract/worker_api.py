@@ -8,10 +8,23 @@
 
 The plan is a hint: the worker matches its own pool first and the peer
 re-checks what it still holds, so stale routing costs a recompute, not an
-error. Knows nothing of HTTP servers, engines or etcd.
+error. A worker decodes with its RequestLimits, so a request it could not
+serve (ids outside its vocabulary, past its context or its pool, a fetch plan
+outside the prompt's full blocks) is refused whole, before anything streams:
+
+    decode_request(body, type, limits)
+      shapes and ranges that need no model   msgspec constraints  -> msgspec.ValidationError
+      what the worker's model and pool allow check_request       -> RequestRefused
+
+Knows nothing of HTTP servers, engines or etcd.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Annotated
+from urllib.parse import urlsplit
 
 import msgspec
 import numpy as np
@@ -19,15 +32,40 @@ import numpy as np
 from prefixpool.store.keys import TOKEN_DTYPE
 
 AUTH_HEADER = "X-Prefixpool-Token"
+MAX_INT32 = 2**31 - 1
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]  # checked against the model's vocabulary later
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+BlockIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]
+MAX_TTL_S = 30 * 24 * 3600.0
+TRANSFER_SCHEMES = ("tcp", "ucx")
+
+
+class RequestRefused(ValueError):
+    """A well-formed request this worker cannot serve (its vocabulary, context or pool): a 400."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one worker can serve: its model's vocabulary and positions, its pool."""
+
+    vocab_size: int
+    max_model_len: int  # prompt + max_tokens positions
+    block_size: int
+    num_blocks: int  # a request holds at most the whole pool
 
 
 class FetchPlan(msgspec.Struct, frozen=True):
     """Fetch blocks [start, end) of the request's chain from `peer`."""
 
-    peer: str
-    transfer_url: str
-    start: int
-    end: int
+    peer: Name
+    transfer_url: Annotated[str, msgspec.Meta(max_length=512)]
+    start: BlockIndex
+    end: BlockIndex
 
 
 class SamplingError(ValueError):
@@ -41,24 +79,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    seed: Seed | None = None
+    stop_token_ids: tuple[TokenId, ...] = ()
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:  # decoding runs it too: a bad value is a DecodeError there
         if self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # NaN fails every comparison
+            raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
-    request_id: str
-    tokens: list[int] | bytes  # prompt ids: a list, or packed little-endian int32 (bytes)
+    request_id: Name
+    tokens: list[TokenId] | bytes  # prompt ids: a list, or packed little-endian int32 (bytes)
     sampling: SamplingParams
-    cache_salt: str = ""
+    cache_salt: Name = ""
     fetch: FetchPlan | None = None
 
     def __post_init__(self) -> None:  # decoding runs it too: a ragged packing is a DecodeError there
@@ -111,11 +149,11 @@ Event = Token | Done | Failed
 class PinRequest(msgspec.Struct, frozen=True, kw_only=True):
     """POST {worker}/admin/pin (pin) or DELETE (unpin): a prefix by tokens or text, as the tenant salts it."""
 
-    tokens: list[int] = []
-    text: str = ""
-    cache_salt: str = ""
-    ttl_s: float = 300.0
-    name: str = ""  # default: the hex key of the prefix's last full block
+    tokens: list[TokenId] = []
+    text: Annotated[str, msgspec.Meta(max_length=1 << 20)] = ""
+    cache_salt: Name = ""
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_TTL_S)] = 300.0
+    name: Name = ""  # default: the hex key of the prefix's last full block
 
 
 class PinReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -149,9 +187,61 @@ def encode_request(request: GenerateRequest) -> bytes:
     return _request_encoder.encode(request)
 
 
-def decode_request(body: bytes, content_type: str) -> GenerateRequest:
-    """msgpack or JSON by Content-Type; raises msgspec.DecodeError (ValidationError included) when malformed."""
-    return _request_decoders.get(content_type, _json_request_decoder).decode(body)
+def decode_request(body: bytes, content_type: str, limits: RequestLimits | None = None) -> GenerateRequest:
+    """msgpack or JSON by Content-Type; raises msgspec.DecodeError (ValidationError included) when malformed,
+    and RequestRefused when `limits` are given and the request is outside them."""
+    request = _request_decoders.get(content_type, _json_request_decoder).decode(body)
+    if limits is not None:
+        check_request(request, limits)
+    return request
+
+
+def check_request(request: GenerateRequest, limits: RequestLimits) -> None:
+    """Everything a worker needs to know before admitting a request; raises RequestRefused."""
+    num_tokens = request.num_tokens
+    if not num_tokens:
+        raise RequestRefused("tokens must be non-empty", "tokens")
+    check_token_ids(_ids(request.tokens), limits, "tokens")
+    check_token_ids(request.sampling.stop_token_ids, limits, "stop_token_ids")
+    max_tokens = request.sampling.max_tokens
+    if num_tokens + max_tokens > limits.max_model_len:
+        raise RequestRefused(f"{num_tokens} prompt + {max_tokens} new tokens exceed the model's "
+                             f"{limits.max_model_len} positions", "max_tokens")
+    num_blocks = -(-(num_tokens + max_tokens - 1) // limits.block_size)
+    if num_blocks > limits.num_blocks:
+        raise RequestRefused(f"request needs {num_blocks} blocks, the pool has {limits.num_blocks}", "max_tokens")
+    if request.fetch is not None:
+        _check_fetch(request.fetch, num_tokens // limits.block_size)
+
+
+def check_token_ids(ids: np.ndarray | list[int] | tuple[int, ...], limits: RequestLimits, param: str) -> None:
+    """Every id in [0, vocab_size) of the worker's model; raises RequestRefused."""
+    if len(ids) == 0:
+        return
+    low, high = (int(ids.min()), int(ids.max())) if isinstance(ids, np.ndarray) else (min(ids), max(ids))
+    if low < 0 or high >= limits.vocab_size:
+        bad = low if low < 0 else high
+        raise RequestRefused(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param)
+
+
+def _ids(tokens: list[int] | bytes) -> np.ndarray | list[int]:
+    return np.frombuffer(tokens, dtype=TOKEN_DTYPE) if isinstance(tokens, bytes) else tokens
+
+
+def _check_fetch(plan: FetchPlan, num_full_blocks: int) -> None:
+    if not plan.start <= plan.end <= num_full_blocks:
+        raise RequestRefused(f"fetch plan [{plan.start}, {plan.end}) is outside the prompt's "
+                             f"{num_full_blocks} full blocks", "fetch")
+    if not plan.peer:
+        raise RequestRefused("fetch plan names no peer", "fetch")
+    try:
+        parts = urlsplit(plan.transfer_url)
+        port = parts.port
+    except ValueError as err:
+        raise RequestRefused(f"fetch plan transfer_url {plan.transfer_url!r}: {err}", "fetch") from None
+    if parts.scheme not in TRANSFER_SCHEMES or not parts.hostname or not port:
+        raise RequestRefused(f"fetch plan transfer_url {plan.transfer_url!r} is not scheme://host:port "
+                             f"with a scheme of {TRANSFER_SCHEMES}", "fetch")
 
 
 def encode_event(event: Event) -> bytes:

@@ -2,7 +2,8 @@
 
     Batch [span(seq A, positions 40..41), span(seq B, 0..300), ...]
       -> packed model inputs: tokens, positions, the PagedLayout of their blocks, rows to take logits of
-      -> StepOutput: logits of the spans that end at their sequence's last token
+      -> StepOutput: logits of the spans that end at their sequence's last token,
+                     and the requests whose span failed (prefixpool/engine/isolation.py)
       -> TokenEvent per sampled token
 
 A span snapshots its tokens and block table at schedule time, so the forward
@@ -12,7 +13,7 @@ nothing of the pool or of sampling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,3 +66,4 @@ class Batch:
 @dataclass(frozen=True)
 class StepOutput:
     logits: torch.Tensor  # [spans that sample, vocab], fp32 on the CPU
+    failed: dict[int, str] = field(default_factory=dict)  # request id -> why its span failed (its row is zeros)

@@ -1,7 +1,7 @@
 """Choosing the next token from logits, and deciding when a request stops.
 
-    temperature == 0        greedy (argmax)
-    temperature > 0         softmax(logits / T), cut to the smallest set of tokens whose
+    temperature < 1e-5      greedy (argmax)
+    temperature >= 1e-5     softmax(logits / T), cut to the smallest set of tokens whose
                             probability reaches top_p, drawn with the request's own generator
     stop                    "stop" at EOS or a stop id, "length" at max_tokens
 
@@ -17,6 +17,7 @@ import torch
 from prefixpool.contract.worker_api import SamplingError, SamplingParams
 
 __all__ = ["Sampler", "SamplingError", "SamplingParams", "top_p_filter"]
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: logits / 1e-40 overflow fp32 to inf, and softmax of those is NaN
 
 
 class Sampler:
@@ -36,7 +37,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """One token from fp32 CPU logits [vocab]."""
-        if self.params.temperature == 0:
+        if self.params.temperature < GREEDY_BELOW:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits / self.params.temperature, dim=-1)
         if self.params.top_p < 1:

@@ -4,9 +4,11 @@
               (a request submitted `deferred` keeps its place but is passed over until `resume`:
                its blocks are still arriving from a peer while it queues)
     step = schedule()  block ops: admission; picks each running request's next span
-           forward()   tensor work only (may run in a thread while the caller uses the blocks)
-           finish()    block ops: commit newly full blocks, sample, release finished requests
-           (fail(batch) instead of finish when forward raised: the batch's requests are dropped)
+           forward()   tensor work only (may run in a thread while the caller uses the blocks);
+                       a span that makes it fail fails alone (prefixpool/engine/isolation.py)
+           finish()    block ops: commit newly full blocks, sample, release finished requests;
+                       a request whose span or sampling failed is released and listed by take_failed
+           (fail(batch) instead of finish when forward raised anyway: the batch's requests are dropped)
 
 One step carries every decoding request's next token plus prefill chunks,
 within `chunk_size` tokens (decodes always go; chunked prefill fills the
@@ -29,6 +31,7 @@ tiers or transfers: it reports the keys it stored and evicted through
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Callable, Sequence as Seq
@@ -36,6 +39,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from prefixpool.engine.batch import Batch, ScheduledSpan, StepOutput, TokenEvent
+from prefixpool.engine.isolation import failure_reason, forward_isolated
 from prefixpool.engine.model import Transformer
 from prefixpool.model.config import arena_shape_for
 from prefixpool.engine.torch_dtype import dtype_name
@@ -46,9 +50,15 @@ from prefixpool.store.keys import BlockKey, Namespace, chain_from, pack_tokens
 from prefixpool.store.node_blocks import NodeBlocks
 from prefixpool.store.pool import PoolExhausted
 
+log = logging.getLogger(__name__)
+
 
 class RequestTooLarge(ValueError):
     """The request can never run here: too long for the model or the whole pool."""
+
+
+class InvalidTokens(ValueError):
+    """Prompt ids outside the model's vocabulary: embedding them would fail the whole batch (on CUDA, the device)."""
 
 
 class Engine:
@@ -68,6 +78,7 @@ class Engine:
         self._next_id = 0
         self._pool_events: dict[BlockKey, bool] = {}   # key -> stored (True) or evicted, latest wins
         self._refused: list[tuple[int, str]] = []
+        self._failed: list[tuple[int, str]] = []
         self._deferred: set[int] = set()  # waiting, but not admissible yet (deferred)
 
     # -- requests --------------------------------------------------------------------------
@@ -77,6 +88,8 @@ class Engine:
         if not tokens:
             raise RequestTooLarge("a request needs at least one prompt token")
         config = self.model.config
+        if min(tokens) < 0 or max(tokens) >= config.vocab_size:
+            raise InvalidTokens(f"token ids must be in [0, {config.vocab_size}): got {min(tokens)}..{max(tokens)}")
         if len(tokens) + params.max_tokens > config.max_position:
             raise RequestTooLarge(f"{len(tokens)} prompt + {params.max_tokens} new tokens exceed "
                                   f"the model's {config.max_position} positions")
@@ -139,6 +152,11 @@ class Engine:
         refused, self._refused = self._refused, []
         return refused
 
+    def take_failed(self) -> list[tuple[int, str]]:
+        """(request id, reason) of requests finish() dropped because their forward span or sampling failed."""
+        failed, self._failed = self._failed, []
+        return failed
+
     def _record(self, key: BlockKey, stored: bool) -> None:
         self._pool_events.pop(key, None)
         self._pool_events[key] = stored
@@ -177,11 +195,14 @@ class Engine:
         return Batch(spans)
 
     def forward(self, batch: Batch) -> StepOutput:
-        """Tensor work only: no pool calls, no request state changes."""
+        """Tensor work only: no pool calls, no request state changes. A failing span fails alone."""
         if not batch.spans:
             return StepOutput(torch.empty(0, self.model.config.vocab_size))
+        return forward_isolated(self._run, batch, self.model.config.vocab_size)
+
+    def _run(self, batch: Batch) -> torch.Tensor:
         tokens, positions, layout, logit_rows = batch.model_inputs(self.model.device, self.block_size)
-        return StepOutput(self.model(tokens, positions, layout, self.arena.tensor, logit_rows).cpu())
+        return self.model(tokens, positions, layout, self.arena.tensor, logit_rows).cpu()
 
     def finish(self, batch: Batch, output: StepOutput) -> list[TokenEvent]:
         events: list[TokenEvent] = []
@@ -193,11 +214,14 @@ class Engine:
             if seq.aborted:
                 self._release(seq)
                 continue
+            if seq.request_id in output.failed:
+                self._fail(seq, output.failed[seq.request_id])
+                continue
             seq.num_computed = item.end
             seq.num_stored = max(seq.num_stored, item.end)
             self._commit_full_blocks(seq)
-            if logits is not None:
-                events.append(self._emit(seq, logits))
+            if logits is not None and (event := self._emit(seq, logits)) is not None:
+                events.append(event)
         self._in_flight = set()
         return events
 
@@ -288,8 +312,14 @@ class Engine:
             self._record(key, stored=True)
         seq.num_committed = num_full
 
-    def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
-        token = seq.sampler.sample(logits)
+    def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent | None:
+        """The request's next token; None if sampling failed (the request is failed alone)."""
+        try:
+            token = seq.sampler.sample(logits)
+        except RuntimeError as err:  # e.g. NaN logits: torch.multinomial refuses them
+            log.exception("sampling failed for request %d", seq.request_id)
+            self._fail(seq, failure_reason(err))
+            return None
         if seq.keep_logits and seq.first_logits is None:
             seq.first_logits = logits.clone()
         seq.tokens.append(token)
@@ -300,6 +330,10 @@ class Engine:
             return TokenEvent(seq.request_id, token, False)
         self._release(seq)
         return TokenEvent(seq.request_id, token, True, reason, seq.stats())
+
+    def _fail(self, seq: Sequence, why: str) -> None:
+        self._release(seq)
+        self._failed.append((seq.request_id, why))
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.release(seq.hold)

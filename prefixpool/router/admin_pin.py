@@ -27,7 +27,7 @@ TTL = Annotated[float, msgspec.Meta(gt=0, le=30 * 24 * 3600)]
 
 class AdminPinBody(msgspec.Struct, frozen=True, kw_only=True):
     text: str = ""
-    tokens: list[Annotated[int, msgspec.Meta(ge=0)]] = []
+    tokens: list[int] = []  # checked against the vocabulary in forward_pin: a 400, as in completions
     cache_salt: Annotated[str, msgspec.Meta(max_length=256)] = ""
     ttl_s: TTL = 300.0
     scope: Literal["all", "holders"] = "all"
@@ -49,6 +49,9 @@ def decode_pin(raw: bytes) -> AdminPinBody:
 async def forward_pin(router, body: AdminPinBody, unpin: bool) -> dict:
     """Send the pin (or unpin) to the target workers at once; per-worker replies or errors."""
     tokens = body.tokens or (router.tokenizer.encode(body.text) if body.text else [])
+    vocab_size = router.config.vocab_size
+    if tokens and not 0 <= min(tokens) <= max(tokens) < vocab_size:
+        raise InvalidRequest(f"token ids must be in the vocabulary [0, {vocab_size})", param="tokens")
     keys = chain(tokens, router.config.namespace.with_salt(body.cache_salt))
     if tokens and not keys:
         raise InvalidRequest(f"the prefix has {len(tokens)} tokens: less than one block", param="text")

@@ -3,7 +3,8 @@
     bytes --decode()--> CompletionBody | ChatBody --(checks against the model)--> served
 
 msgspec does the typing (wrong or missing fields -> InvalidField, 422);
-`decode` adds the semantic checks that need no model (400). Context length
+`decode` adds the semantic checks that need no model (400), token ids outside
+int32 included. Context length
 and model name are checked by the caller, which knows the model. Knows
 nothing of HTTP servers, tokenizers or workers.
 """
@@ -17,7 +18,7 @@ import msgspec
 from prefixpool.router.errors import InvalidField, InvalidRequest
 
 MAX_INT32 = 2**31 - 1
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]
+TokenId = int  # any int decodes; one outside int32 is a 400 in _check_prompt (as one outside the vocabulary is)
 PositiveTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
@@ -103,6 +104,10 @@ def _check_prompt(body: CompletionBody | ChatBody | RouteBody) -> None:
         raise InvalidRequest("give exactly one of `prompt` or `messages`", param="prompt")
     if prompt is not None and len(prompt) == 0:
         raise InvalidRequest("prompt must not be empty", param="prompt")
+    if isinstance(prompt, list) and not isinstance(prompt[0], str) and not 0 <= min(prompt) <= max(prompt) <= MAX_INT32:
+        bad = min(prompt) if min(prompt) < 0 else max(prompt)
+        raise InvalidRequest(f"token id {bad} is outside int32 [0, {MAX_INT32}]", param="prompt",
+                             code="invalid_token_id")
 
 
 def requested_tokens(body: CompletionBody | ChatBody | RouteBody, default: int) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import struct
+from dataclasses import dataclass
 
 import msgspec
 
@@ -30,6 +31,21 @@ LENGTH_PREFIX = struct.Struct("<I")
 STATUS_OK = "ok"
 STATUS_UNAUTHORIZED = "unauthorized"
 STATUS_BAD_REQUEST = "bad_request"
+
+
+@dataclass(frozen=True)
+class ServerDeadlines:
+    """How long a holder waits on a peer before it closes the connection (and unpins what it held for it).
+
+    accept ─ request_s ─▶ first request complete      a new connection speaks at once, or is closed
+    answer sent ─ idle_s ─▶ next request's first byte   a client keeps connections for its next fetch
+    first byte ─ request_s ─▶ that request complete    a half frame then silence is closed
+    answer: no byte taken for stall_s                 a peer that stops reading gives its pins back
+    """
+
+    request_s: float = 5.0
+    idle_s: float = 120.0
+    stall_s: float = 30.0
 
 
 class FetchRequest(msgspec.Struct, frozen=True):
@@ -123,4 +139,4 @@ def request_keys(request: FetchRequest) -> list[BlockKey]:
     return [BlockKey(key) for key in request.keys]
 
 
-__all__ = ["HEADER_BYTES", "FetchRequest", "FetchResponse", "PROTOCOL_VERSION"]
+__all__ = ["HEADER_BYTES", "FetchRequest", "FetchResponse", "PROTOCOL_VERSION", "ServerDeadlines"]

@@ -71,15 +71,23 @@ async def _ready(sock: socket.socket, writing: bool) -> None:
         remove(sock.fileno())
 
 
-async def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
-    """Send the buffers in order, as few `sendmsg` calls as the kernel's send buffer allows."""
+async def wait_readable(sock: socket.socket) -> None:
+    """Until bytes, or the peer's close, can be read: what an idle connection waits for."""
+    await _ready(sock, writing=False)
+
+
+async def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview], stall_s: float | None = None) -> None:
+    """Send the buffers in order, as few `sendmsg` calls as the kernel's send buffer allows.
+
+    With `stall_s`, a peer that takes no byte for that long raises TimeoutError (it stopped reading)."""
     views = [memoryview(buffer) for buffer in buffers]
     first = 0
     while first < len(views):
         try:
             sent = sock.sendmsg(views[first : first + SCATTER_BUFFERS])
         except BlockingIOError:
-            await _ready(sock, writing=True)
+            async with asyncio.timeout(stall_s):
+                await _ready(sock, writing=True)
             continue
         while sent and sent >= views[first].nbytes:
             sent -= views[first].nbytes

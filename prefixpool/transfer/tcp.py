@@ -16,7 +16,10 @@ copy has just left in cache. The per-block cost is the checksum and the
 commit, not syscalls and wake-ups.
 A connection goes back to the pool only after a complete answer; after a
 rejection, a short allocation or any error it is closed, since bytes may
-still be in flight on it. Knows nothing of UCX.
+still be in flight on it. The server closes a peer that is idle, sends half
+a request, or stops reading its answer past its ServerDeadlines (unpinning
+what it held for it), so no peer keeps a connection or a pin for ever.
+Knows nothing of UCX.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from prefixpool.transfer.protocol import (
     STATUS_OK,
     FetchRequest,
     FetchResponse,
+    ServerDeadlines,
     admit,
     block_header,
     decode_response,
@@ -43,7 +47,7 @@ from prefixpool.transfer.protocol import (
 )
 from prefixpool.transfer.sink import BlockSink
 from prefixpool.transfer.source import BlockSource
-from prefixpool.transfer.stream import Scatter, recv_message, send_all, send_buffers
+from prefixpool.transfer.stream import Scatter, recv_message, send_all, send_buffers, wait_readable
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +61,10 @@ def _tune(sock: socket.socket) -> None:
 
 
 class TcpServer:
-    def __init__(self, source: BlockSource, token: str = "") -> None:
+    def __init__(self, source: BlockSource, token: str = "", deadlines: ServerDeadlines = ServerDeadlines()) -> None:
         self.source = source
         self.token = token
+        self.deadlines = deadlines
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -95,26 +100,39 @@ class TcpServer:
             self._spawn(self._serve_connection(sock))
 
     async def _serve_connection(self, sock: socket.socket) -> None:
+        idle_s = self.deadlines.request_s  # a new connection speaks at once
         try:
-            while (body := await recv_message(sock, eof_ok=True)) is not None:
+            while (body := await self._next_request(sock, idle_s)) is not None:
                 if not await self._answer(sock, body):
                     return
+                idle_s = self.deadlines.idle_s  # kept by the client for its next fetch
+        except TimeoutError:
+            log.info("transfer peer idle, slow or not reading past its deadline: connection closed")
         except (ConnectionError, ProtocolError) as err:
             log.debug("transfer connection ended: %s", err)
         finally:
             sock.close()
 
+    async def _next_request(self, sock: socket.socket, idle_s: float) -> bytearray | None:
+        """The next request frame, or None on a clean close; TimeoutError past `idle_s` or request_s."""
+        async with asyncio.timeout(idle_s):
+            await wait_readable(sock)
+        async with asyncio.timeout(self.deadlines.request_s):  # from its first byte
+            return await recv_message(sock, eof_ok=True)
+
     async def _answer(self, sock: socket.socket, body: bytearray) -> bool:
         """Serve one request; False when the connection must close afterwards."""
         request = admit(body, self.token)
+        stall_s = self.deadlines.stall_s
         if isinstance(request, FetchResponse):
-            await send_all(sock, framed(request))
+            await send_buffers(sock, [framed(request)], stall_s)
             return False
         source = self.source
         async with source.pinned(request_keys(request)) as outgoing:
-            await send_buffers(sock, [framed(FetchResponse(STATUS_OK, outgoing.num_blocks, source.block_bytes))])
+            ok = FetchResponse(STATUS_OK, outgoing.num_blocks, source.block_bytes)
+            await send_buffers(sock, [framed(ok)], stall_s)
             async for header, payload in source.records(outgoing):
-                await send_buffers(sock, [header.pack(), payload])  # a record leaves as soon as it exists
+                await send_buffers(sock, [header.pack(), payload], stall_s)  # a record leaves as soon as it exists
         return True
 
 

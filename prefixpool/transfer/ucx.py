@@ -11,7 +11,9 @@ The receiver posts up to `window` blocks of receives ahead, straight into
 the destination blocks, so UCX moves bytes with no copy of ours; blocks are
 still verified and committed strictly in order. An endpoint goes back to the
 idle pool only after a complete answer; otherwise it is aborted, which also
-cancels receives still posted into blocks we are about to free.
+cancels receives still posted into blocks we are about to free. The server
+aborts an endpoint whose peer sends no request, or takes none of its answer,
+past its ServerDeadlines (unpinning what it held for it).
 
 Environment: UCX reads its settings at the first call in the process.
 `UCX_NET_DEVICES` picks the interface (`lo` for one machine); ucxx's
@@ -39,6 +41,7 @@ from prefixpool.transfer.protocol import (  # noqa: E402
     STATUS_OK,
     FetchRequest,
     FetchResponse,
+    ServerDeadlines,
     admit,
     block_header,
     decode_response,
@@ -59,9 +62,10 @@ _ENDPOINT_ERRORS = (UCXError, ConnectionError, TimeoutError)
 
 
 class UcxServer:
-    def __init__(self, source: BlockSource, token: str = "") -> None:
+    def __init__(self, source: BlockSource, token: str = "", deadlines: ServerDeadlines = ServerDeadlines()) -> None:
         self.source = source
         self.token = token
+        self.deadlines = deadlines
         self.window = window_for(source.block_bytes)
         self._listener = None
         self._host = ""
@@ -86,9 +90,16 @@ class UcxServer:
     async def _serve_endpoint(self, endpoint) -> None:
         task = asyncio.current_task()
         self._handlers.add(task)
+        wait_s = self.deadlines.request_s  # a new endpoint speaks at once
         try:
-            while await self._answer(endpoint, await endpoint.recv_obj()):
-                pass
+            while True:
+                async with asyncio.timeout(wait_s):  # a message arrives whole: no half frames to time apart
+                    body = await endpoint.recv_obj()
+                if not await self._answer(endpoint, body):
+                    break
+                wait_s = self.deadlines.idle_s + self.deadlines.request_s  # kept by the client for its next fetch
+        except TimeoutError:
+            log.info("ucx transfer peer idle or not reading past its deadline: endpoint aborted")
         except _ENDPOINT_ERRORS as err:
             log.debug("ucx transfer endpoint ended: %s", err)
         finally:
@@ -99,11 +110,13 @@ class UcxServer:
         """Serve one request; False when the endpoint must close afterwards."""
         request = admit(body, self.token)
         if isinstance(request, FetchResponse):
-            await endpoint.send_obj(encode(request))
+            async with asyncio.timeout(self.deadlines.stall_s):
+                await endpoint.send_obj(encode(request))
             return False
         source = self.source
         async with source.pinned(request_keys(request)) as outgoing:
-            await endpoint.send_obj(encode(FetchResponse(STATUS_OK, outgoing.num_blocks, source.block_bytes)))
+            async with asyncio.timeout(self.deadlines.stall_s):
+                await endpoint.send_obj(encode(FetchResponse(STATUS_OK, outgoing.num_blocks, source.block_bytes)))
             await self._send_blocks(endpoint, outgoing)
         return True
 
@@ -116,12 +129,17 @@ class UcxServer:
                 in_flight.append(asyncio.gather(*sends))
                 index += 1
                 if len(in_flight) >= self.window:
-                    await in_flight.popleft()
+                    await self._sent(in_flight.popleft())
             while in_flight:
-                await in_flight.popleft()
+                await self._sent(in_flight.popleft())
         finally:
             for future in in_flight:
                 future.cancel()
+
+    async def _sent(self, sends: asyncio.Future) -> None:
+        """One block's sends done; TimeoutError when the peer takes nothing for stall_s."""
+        async with asyncio.timeout(self.deadlines.stall_s):
+            await sends
 
 
 class UcxClient:

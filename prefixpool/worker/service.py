@@ -228,6 +228,9 @@ class Worker:
             stream.queue.put_nowait(Token(event.token))
             if event.finished:
                 stream.queue.put_nowait(self._done(event, stream))
+        for request_id, reason in self.engine.take_failed():  # its span failed alone; the batch ran on
+            if request_id in self._streams:
+                self._streams[request_id].queue.put_nowait(Failed(reason, 500))
 
     def _done(self, event: TokenEvent, stream: _Stream) -> Done:
         stats = event.stats

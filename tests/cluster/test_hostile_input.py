@@ -122,6 +122,9 @@ def test_prompts_past_the_context_and_bodies_past_the_limit(cluster):
         "text past the context": {"model": "tiny", "prompt": "z" * 9000, "max_tokens": 1},
         "token ids past the context": {"model": "tiny", "prompt": [65] * 9000, "max_tokens": 1},
         "token id past the vocabulary": {"model": "tiny", "prompt": [65, 10**6], "max_tokens": 1},
+        "token id past int32": {"model": "tiny", "prompt": [65, 2**31], "max_tokens": 1},
+        "token id past int64": {"model": "tiny", "prompt": [65, 10**30], "max_tokens": 1},
+        "negative token id": {"model": "tiny", "prompt": [-1, 65], "max_tokens": 1},
         "max_tokens past the context": {"model": "tiny", "prompt": "hi", "max_tokens": 2**31 - 1},
     }
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "y" * 9000}]}
