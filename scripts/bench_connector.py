@@ -67,7 +67,7 @@ def prompt_of(case: str, num_tokens: int) -> str:
 def vllm(model: Path, extra_args: tuple[str, ...] = (), kv: str = "") -> VllmConfig:
     """One prefill step for the whole prompt everywhere: ExampleConnector cannot save a chunked prefill
     (it stores the first 2048-token chunk under the whole prompt's name, and the load then fails)."""
-    return VllmConfig(str(model), MODEL, BLOCK, max_model_len=4096, memory_fraction=0.05, num_blocks=200,
+    return VllmConfig(str(model), MODEL, BLOCK, max_model_len=4096, num_blocks=200,
                       kv_transfer_config=kv, extra_args=("--max-num-batched-tokens", "4096", *extra_args))
 
 

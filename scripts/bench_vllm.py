@@ -1,9 +1,9 @@
 """Replay a slice of the Mooncake conversation trace against 2 real vLLM servers through our router.
 
-    python scripts/bench_vllm.py --limit 600 --speedup 1.5 --repeat 2 --kv-blocks 0,4000 [--out FILE]
+    python scripts/bench_vllm.py --limit 600 --speedup 1.5 --repeat 2 --kv-blocks 56000,4000 [--out FILE]
 
 For each KV-cache size in --kv-blocks (blocks per vLLM instance, vLLM's
---num-gpu-blocks-override; 0 = as many as its memory fraction allows) one fleet (etcd,
+--num-gpu-blocks-override, with that many blocks' bytes; never a memory fraction) one fleet (etcd,
 2 vLLM servers with KV events, their sidecars) and one router per policy (cost,
 least_load, round_robin) in front of it. Before each policy both vLLM prefix
 caches are reset (vLLM's /reset_prefix_cache, then a one-token request: vLLM
@@ -163,11 +163,11 @@ def replay_rounds(cluster: LocalCluster, routers: dict, records: list, args, reg
 
 
 def run_fleet(model: Path, num_blocks: int, records: list, args, log_dir: Path) -> tuple[list[str], str]:
-    """One fleet whose vLLM instances hold `num_blocks` blocks each (0: vLLM's own size): every round on it."""
-    config = VllmConfig(str(model), MODEL, BLOCK, max_model_len=8192, memory_fraction=0.1, num_blocks=num_blocks)
+    """One fleet whose vLLM instances hold `num_blocks` blocks each: every round on it."""
+    config = VllmConfig(str(model), MODEL, BLOCK, max_model_len=8192, num_blocks=num_blocks)
     with LocalCluster(num_workers=0, vllm=config, num_vllm=2, log_dir=log_dir) as cluster:
         real = [kv_blocks_of(server.url) for server in cluster.vllm_servers.values()]
-        regime = f"{real[0]:,}" + ("" if num_blocks else " (unset)")
+        regime = f"{real[0]:,}"
         routers = {p: spawn(f"router-{p.replace(':', '-w')}", python_argv("router", "--port", "0", *cluster._common(),
                                                                           *cluster._model(), *policy_args(p)),
                             cluster.log_dir)
@@ -197,8 +197,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-output", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=1, help="rounds of the policies, in turn")
-    parser.add_argument("--kv-blocks", default="0", help="comma list: KV blocks per vLLM instance, a fleet each "
-                        "(0: as many as vLLM's memory fraction allows)")
+    parser.add_argument("--kv-blocks", default="56000", help="comma list: KV blocks per vLLM instance, a fleet "
+                        "each (56000: about what 0.1 of this machine's memory gave in benchmarks/vllm.md's runs)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma list; cost and round_robin required; "
                         "cost:W adds the cost policy with lost-reuse weight W (the router's default is 2)")
     parser.add_argument("--out", default="")

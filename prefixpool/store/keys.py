@@ -11,6 +11,7 @@ tokens again. Knows nothing of pools, tensors or the network.
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Iterable, NewType, Sequence
@@ -30,6 +31,10 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 # A 16-byte chained block hash. A NewType, not a subclass: wrapping each key in
 # a Python-level constructor would cost more than hashing the block.
 BlockKey = NewType("BlockKey", bytes)
+
+# What the chain loop reads (C's `y*`): any object with a C-contiguous buffer. Python 3.11 has no
+# collections.abc.Buffer; these are the kinds callers pass.
+Buffer = bytes | bytearray | memoryview | np.ndarray
 
 
 def key_from_hex(text: str) -> BlockKey:
@@ -76,10 +81,10 @@ class Namespace:
         return Namespace(**{**asdict(namespace), "model": f"{namespace.model}+lora:{lora_name}"})
 
 
-def pack_tokens(tokens: Sequence[int] | np.ndarray | bytes) -> bytes:
-    """All tokens as little-endian int32 in one bulk conversion (bytes are taken as packed already)."""
-    if isinstance(tokens, bytes):
-        return tokens
+def pack_tokens(tokens: Sequence[int] | Buffer) -> bytes:
+    """All tokens as little-endian int32 in one bulk conversion (bytes-likes are taken as packed already)."""
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        return buffer_bytes(tokens)
     if isinstance(tokens, np.ndarray):
         if tokens.dtype == _INT32:
             return tokens.tobytes()
@@ -92,13 +97,32 @@ def pack_tokens(tokens: Sequence[int] | np.ndarray | bytes) -> bytes:
         raise ValueError("token ids must fit in int32") from err
 
 
-def chain(tokens: Sequence[int] | np.ndarray | bytes, namespace: Namespace) -> list[BlockKey]:
+def chain(tokens: Sequence[int] | Buffer, namespace: Namespace) -> list[BlockKey]:
     """Keys of every full block of `tokens`, chained from the namespace root."""
     return chain_from(namespace.root(), pack_tokens(tokens), namespace.block_size)
 
 
-def chain_from_python(parent: bytes, packed: bytes, block_size: int) -> list[BlockKey]:
-    """The chain loop in plain Python: the reference the C loop is tested against."""
+def buffer_bytes(data: Buffer) -> bytes:
+    """The bytes of a C-contiguous buffer, as C's `y*` reads them: bytes, bytearray, memoryview, a numpy array
+    (its raw bytes, whatever its dtype). TypeError for what has no buffer (str, list), as the C loop raises."""
+    if isinstance(data, bytes):
+        return data
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise BufferError("the buffer is not C-contiguous")
+    return view.tobytes()
+
+
+def chain_from_python(parent: Buffer, packed: Buffer, block_size: int) -> list[BlockKey]:
+    """The chain loop in plain Python: takes what the C loop takes, gives the same keys, raises where it raises.
+
+    `parent` and `packed` are any C-contiguous buffers (the router passes its int32 token array itself);
+    `packed` is read as raw bytes, so an int32 array and its `tobytes()` give the same keys."""
+    parent, packed, block_size = buffer_bytes(parent), buffer_bytes(packed), operator.index(block_size)
+    if len(parent) != KEY_BYTES:
+        raise ValueError(f"parent must be {KEY_BYTES} bytes")
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
     step = block_size * 4
     end = len(packed) - len(packed) % step
     keys: list[BlockKey] = []

@@ -32,8 +32,8 @@ def spread(hosts, model_dir, tmp_path_factory):
     try:
         for name, host in (("a", hosts[1]), ("b", hosts[2])):
             extra = {"etcd_endpoints": etcd, "node_id": name, "host": host.address, "pool_blocks": 64}
-            config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=1024, memory_fraction=0.05,
-                                num_blocks=96, host=host.address, kv_transfer_config=kv_transfer_json(extra))
+            config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=1024, num_blocks=96, host=host.address,
+                                kv_transfer_config=kv_transfer_json(extra))
             servers[name] = VllmServer.launch(config, logs, name, vllm_temp_dir(), wrap=tuple(host.argv([])))
         for server in servers.values():
             server.wait_healthy(900)

@@ -44,7 +44,7 @@ def test_a_vllm_actor_serves_through_the_router_and_ray_down_leaves_nothing(mode
     ray.init(num_cpus=4, include_dashboard=False, namespace=ray_deploy.NAMESPACE, log_to_driver=False)
     removed: list[str] = []
     try:
-        config = VllmConfig(str(model_dir), MODEL, BLOCK, num_blocks=160, memory_fraction=0.1)
+        config = VllmConfig(str(model_dir), MODEL, BLOCK, num_blocks=160)
         deployed = ray_deploy.up(0, router_port=0, etcd_port=free_port(), vllm=config, num_vllm=1,
                                  env={"PREFIXPOOL_LEASE_TTL_S": "3"})
         assert deployed.vllm_names == ("vllm-0",)
@@ -74,7 +74,7 @@ def test_a_vllm_actor_with_the_connector_saves_into_its_pool_and_ray_down_takes_
     """`ray up --vllm-connector`: vLLM loads PrefixPoolConnector inside the actor; its pool registers and saves."""
     ray.init(num_cpus=4, include_dashboard=False, namespace=ray_deploy.NAMESPACE, log_to_driver=False)
     try:
-        config = VllmConfig(str(model_dir), MODEL, BLOCK, num_blocks=160, memory_fraction=0.1)
+        config = VllmConfig(str(model_dir), MODEL, BLOCK, num_blocks=160)
         deployed = ray_deploy.up(0, router_port=0, etcd_port=free_port(), vllm=config, num_vllm=1,
                                  env={"PREFIXPOOL_LEASE_TTL_S": "3"}, vllm_connector=True)
         wait_for(lambda: workers_seen(deployed.router_url) == 1)  # the pool takes no requests: not a worker

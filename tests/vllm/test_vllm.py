@@ -97,7 +97,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(model_dir, tmp_path_factory):
-    config = VllmConfig(str(model_dir), MODEL, BLOCK, num_blocks=160, memory_fraction=0.1)
+    config = VllmConfig(str(model_dir), MODEL, BLOCK, num_blocks=160)
     # The sidecars' lease TTL is the default (10 s): vLLM on CPU spins its threads on every core while it
     # runs, and a 3 s TTL was missed then (the node dropped out of the routers for a moment, then re-registered).
     cluster = LocalCluster(num_workers=0, vllm=config, num_vllm=2, sidecar_args=("--lease-ttl-s", str(TTL_S)),

@@ -48,7 +48,7 @@ class Pair:
     def __init__(self, model: Path, run_dir: Path) -> None:
         self.fault_file = run_dir / "fault"  # only A serves in these tests: the fault is A's
         self.fault_file.write_text("")
-        config = VllmConfig(str(model), MODEL, BLOCK, max_model_len=1024, memory_fraction=0.05, num_blocks=96)
+        config = VllmConfig(str(model), MODEL, BLOCK, max_model_len=1024, num_blocks=96)
         self.ssd = run_dir / "ssd"
         settings = {"pool_blocks": 16, "disk_tier_dir": str(self.ssd), "disk_tier_blocks": 512,
                     "ssd_write_through": True, "fetch_timeout_s": 30.0, "lease_ttl_s": 60,

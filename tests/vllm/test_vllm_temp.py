@@ -30,7 +30,7 @@ from pathlib import Path
 from prefixpool.deploy.vllm_fleet import vllm_temp_dir
 from prefixpool.deploy.vllm_server import VllmConfig, VllmServer
 model, run_dir = sys.argv[1:3]
-server = VllmServer.start(VllmConfig(model, "tiny-vllm", num_blocks=160, memory_fraction=0.1), Path(run_dir), "v",
+server = VllmServer.start(VllmConfig(model, "tiny-vllm", num_blocks=160), Path(run_dir), "v",
                           temp=vllm_temp_dir())
 print(server.pid, flush=True)
 sys.stdin.readline()
