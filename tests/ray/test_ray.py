@@ -104,8 +104,8 @@ def test_killed_worker_actor_restarts_and_serving_stays_correct(deployment):
     assert [a["choices"][0]["text"] for a in answers] == [c["choices"][0]["text"] for c in cold]
     wait_for(lambda: _restarted(actor, old_pid), timeout_s=90)
     wait_for(lambda: workers_seen(deployment.router_url) == 2)
-    with pytest.raises(ProcessLookupError):
-        os.kill(old_pid, 0)  # the old worker process died with its actor
+    # the old worker process dies with its actor (Ray reaps it a moment later on a loaded machine)
+    wait_for(lambda: not _alive(old_pid), timeout_s=60)
 
 
 def _restarted(actor, old_pid: int) -> bool:
