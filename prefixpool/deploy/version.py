@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 from prefixpool.store.keys import HASH_SCHEME_VERSION
 
@@ -14,5 +14,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     del args
-    print(f"prefixpool {version('prefixpool')} (hash scheme v{HASH_SCHEME_VERSION})")
+    print(f"prefixpool {installed_version()} (hash scheme v{HASH_SCHEME_VERSION})")
     return 0
+
+
+def installed_version() -> str:
+    try:
+        return version("prefixpool")
+    except PackageNotFoundError:  # run from a source tree on PYTHONPATH, not pip-installed (scripts/gpu_check.sh)
+        return "(source tree, not installed)"

@@ -1,5 +1,9 @@
-"""Helpers shared by the engine tests (not a test module): engines over fresh pools, checks."""
+"""Helpers shared by the engine tests (not a test module): engines over fresh pools, checks.
 
+PREFIXPOOL_TEST_DEVICE names the torch device the engine tests that read DEVICE run on: cpu (the
+default), or cuda on the GPU machine (scripts/gpu_check.sh). An engine's arena is on its model's device."""
+
+import os
 import random
 
 from prefixpool.engine.scheduler import Engine
@@ -10,13 +14,15 @@ from prefixpool.store.node_blocks import NodeBlocks
 from prefixpool.store.pool import BlockPool
 
 BLOCK = 4
+DEVICE = os.environ.get("PREFIXPOOL_TEST_DEVICE", "cpu")
 
 
 def make_engine(model, num_blocks=64, chunk_size=512, max_batch_size=8):
     config = model.config
-    arena = KVArena(arena_shape_for(config, num_blocks, BLOCK), model.dtype)
-    return Engine(model, NodeBlocks(BlockPool(num_blocks)), arena, namespace_for(config, dtype_name(model.dtype), BLOCK),
-                  chunk_size=chunk_size, max_batch_size=max_batch_size)
+    arena = KVArena(arena_shape_for(config, num_blocks, BLOCK), model.dtype, model.device)
+    namespace = namespace_for(config, dtype_name(model.dtype), BLOCK)
+    return Engine(model, NodeBlocks(BlockPool(num_blocks)), arena, namespace, chunk_size=chunk_size,
+                  max_batch_size=max_batch_size)
 
 
 def assert_clean(engine):

@@ -1,5 +1,6 @@
 """Reused KV gives the same answer as recompute: computed in the same call, reused from
-the pool after another request, or copied as raw bytes into a second pool and arena."""
+the pool after another request, or copied as raw bytes into a second pool and arena.
+On PREFIXPOOL_TEST_DEVICE (cpu by default, cuda on the GPU machine)."""
 
 
 import pytest
@@ -9,14 +10,14 @@ from prefixpool.engine.checkpoint import random_model
 from prefixpool.model.config import preset
 from prefixpool.engine.sampling import SamplingParams
 from prefixpool.store.keys import chain
-from tests.support.engine import BLOCK, assert_clean, copy_blocks, make_engine, tokens
+from tests.support.engine import BLOCK, DEVICE, assert_clean, copy_blocks, make_engine, tokens
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(preset("tiny"), seed=1)
+    return random_model(preset("tiny"), seed=1, device=DEVICE)
 
 
 def reference(model, prompt):

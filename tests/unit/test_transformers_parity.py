@@ -2,7 +2,9 @@
 RoPE scaling, Qwen2 (q/k/v bias, tied embeddings, a sliding-window layer), Mistral (sliding
 window). Same greedy tokens and allclose logits for a cold prompt, a prefix reused from the
 local pool, and a prefix whose raw block bytes were copied from another engine (a fetch).
-Random weights, saved with save_pretrained (safetensors) into a temp dir; nothing downloaded."""
+Random weights, saved with save_pretrained (safetensors) into a temp dir; nothing downloaded.
+Our engine runs on PREFIXPOOL_TEST_DEVICE (cpu by default, cuda on the GPU machine); the fp32
+oracle stays on the CPU, and transformers' half-precision run is on our device."""
 
 import copy
 import math
@@ -15,7 +17,7 @@ from prefixpool.engine.checkpoint import load_checkpoint
 from prefixpool.engine.model import Transformer
 from prefixpool.engine.sampling import SamplingParams
 from prefixpool.store.keys import chain
-from tests.support.engine import BLOCK, assert_clean, copy_blocks, make_engine, tokens
+from tests.support.engine import BLOCK, DEVICE, assert_clean, copy_blocks, make_engine, tokens
 
 transformers = pytest.importorskip("transformers", reason="transformers is a dev dependency (pip install -e .[dev])")
 
@@ -65,7 +67,7 @@ def checkpoint(request, tmp_path_factory):
 
 def hf_logits(hf, prompt):
     with torch.no_grad():
-        return hf(torch.tensor([prompt])).logits[0].float()
+        return hf(torch.tensor([prompt], device=hf.device)).logits[0].float().cpu()
 
 
 def hf_greedy(hf, prompt, num_new=NUM_NEW):
@@ -90,13 +92,13 @@ def run_engine(model, how):
     logits, stats = engine.prefill_logits(prompt)
     output, _ = engine.generate(prompt, GREEDY)
     assert_clean(engine)
-    return logits, stats, output
+    return logits.cpu(), stats, output
 
 
 @pytest.mark.parametrize("how", ["cold", "reused", "fetched"])
 def test_float32_matches_transformers(checkpoint, how):
     hf, directory = checkpoint
-    model = load_checkpoint(directory)
+    model = load_checkpoint(directory, device=DEVICE)
     logits, stats, output = run_engine(model, how)
     assert stats.num_cached_tokens == (0 if how == "cold" else len(PREFIX) // BLOCK * BLOCK)
     torch.testing.assert_close(logits, hf_logits(hf, PREFIX + SUFFIX)[-1], rtol=1e-4, atol=1e-4)
@@ -109,8 +111,8 @@ def test_half_precision_is_as_close_to_float32_as_transformers_own(checkpoint, d
     own error: our logits may stray from the fp32 answer at most 2x (+0.02) as far as theirs do."""
     hf, directory = checkpoint
     exact = hf_logits(hf, PREFIX + SUFFIX)[-1]
-    hf_half = hf_logits(copy.deepcopy(hf).to(dtype), PREFIX + SUFFIX)[-1]
-    logits, _, output = run_engine(load_checkpoint(directory, dtype=dtype), "fetched")
+    hf_half = hf_logits(copy.deepcopy(hf).to(device=DEVICE, dtype=dtype), PREFIX + SUFFIX)[-1]
+    logits, _, output = run_engine(load_checkpoint(directory, dtype=dtype, device=DEVICE), "fetched")
     theirs = (hf_half - exact).abs().max().item()
     ours = (logits - exact).abs().max().item()
     assert ours <= 2 * theirs + 0.02, f"ours {ours:.4f} vs transformers' {theirs:.4f} off fp32"
@@ -123,9 +125,9 @@ def test_the_parity_check_would_catch_ignored_rope_scaling(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_config(CONFIGS["llama3-rope"]()).eval()
     spread_weights(hf, seed=7)
     hf.save_pretrained(tmp_path)
-    model = load_checkpoint(tmp_path)
+    model = load_checkpoint(tmp_path, device=DEVICE)
     assert model.config.rope_scaling is not None
-    unscaled = Transformer(replace(model.config, rope_scaling=None))
+    unscaled = Transformer(replace(model.config, rope_scaling=None)).to(DEVICE)
     unscaled.load_state_dict(model.state_dict())
     logits, _, _ = run_engine(unscaled, "cold")
     assert not torch.allclose(logits, hf_logits(hf, PREFIX + SUFFIX)[-1], rtol=1e-3, atol=1e-3)
