@@ -205,8 +205,8 @@ def _set(document: dict, path: list[str], replacement) -> None:
         inner = document.get(head)
         if isinstance(inner, dict):
             _set(inner, rest, replacement)
-        elif isinstance(inner, list) and inner and _int(replacement):
-            inner[int(rest[0])] = replacement
+        elif isinstance(inner, list) and rest[0].isdigit() and int(rest[0]) < len(inner) and _int(replacement):
+            inner[int(rest[0])] = replacement  # an earlier mutation may have made a dict field a list: skip then
         return
     if replacement is MISSING:
         document.pop(head, None)
