@@ -6,4 +6,5 @@ install still succeeds and prefixpool/store/keys.py uses its pure-Python loop.
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("prefixpool.store._chain", ["prefixpool/store/_chain.c"], optional=True, extra_compile_args=["-O3"])])
+setup(ext_modules=[Extension("prefixpool.store._chain", ["prefixpool/store/_chain.c"], optional=True,
+                             extra_compile_args=["-O3"])])

@@ -32,13 +32,14 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 from prefixpool.deploy.etcd_server import EtcdServer
 from prefixpool.deploy.vllm_fleet import vllm_temp_dir
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.vllm_connector.config import kv_transfer_json
 from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, VllmConfig, VllmServer
+
+REPO = Path(__file__).resolve().parent.parent
 
 MODEL = "bench-llama"
 BLOCK = 32

@@ -69,7 +69,8 @@ def hf_llama(args: argparse.Namespace, directory: Path):
 def make_engine(model, num_tokens: int, chunk_size: int, max_batch_size: int) -> Engine:
     num_blocks = num_tokens // BLOCK_SIZE + 8
     arena = KVArena(arena_shape_for(model.config, num_blocks, BLOCK_SIZE), model.dtype)
-    return Engine(model, NodeBlocks(BlockPool(num_blocks)), arena, namespace_for(model.config, dtype_name(model.dtype), BLOCK_SIZE),
+    return Engine(model, NodeBlocks(BlockPool(num_blocks)), arena,
+                  namespace_for(model.config, dtype_name(model.dtype), BLOCK_SIZE),
                   chunk_size=chunk_size, max_batch_size=max_batch_size)
 
 

@@ -93,7 +93,8 @@ async def throughput(endpoint: str, num_nodes: int, num_keys: int, chunk: int = 
 async def lag(endpoint: str, rate: int, seconds: float) -> tuple[float, float, int]:
     """Publish `rate` keys/s in 10 ms ticks; another process's Mirror timestamps each key it sees."""
     ns, total = f"lag{rate}", int(rate * seconds)
-    watcher = subprocess.Popen([sys.executable, "-c", MIRROR_PROCESS, endpoint, ns, str(total)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    watcher = subprocess.Popen([sys.executable, "-c", MIRROR_PROCESS, endpoint, ns, str(total)],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert (await asyncio.to_thread(watcher.stdout.readline)).strip() == "ready"
     membership, publisher = await start_node(endpoint, ns, "n0", {})
     keys = chain_ids(range(10**6, 10**6 + total), Namespace("bench"))

@@ -103,7 +103,8 @@ def decisions_per_second(num_tokens: int, num_workers: int, seconds: float = 3.0
         index.add(f"w{i % num_workers}", keys[: len(keys) * (1 + i % 3) // 3])
         index.add(f"w{(i + 3) % num_workers}", keys[: len(keys) // 2])
     config = RouterConfig(model="tiny", namespace=namespace, max_context=10**6, vocab_size=259)
-    router = Router(config, load_tokenizer(""), _StaticView(workers, index), WorkerClient(), CostModel(), rng=random.Random(0))
+    router = Router(config, load_tokenizer(""), _StaticView(workers, index), WorkerClient(), CostModel(),
+                    rng=random.Random(0))
     bodies = [CompletionBody(model="tiny", prompt=p, max_tokens=1) for p in prompts]
     ids = [router.tokenize(body) for body in bodies]  # once to warm up, then timed
     start = time.perf_counter()
@@ -315,20 +316,21 @@ def main() -> None:
     stack = Stack().start()
     try:
         targets, times = stack.targets(), {}
-        served = {name: args.requests + 20 for name in targets} | {"direct (null worker)": len(targets) * (args.requests + 20)}
+        served = ({name: args.requests + 20 for name in targets}
+                  | {"direct (null worker)": len(targets) * (args.requests + 20)})
         cpu = cpu_per_request(stack.pids(), lambda: times.update(added_latency(targets, body, args.requests)), served)
         rates = throughput(stack.targets(processes=True), body, args.concurrency, args.throughput_requests)
     finally:
         stack.stop()
     direct = times["direct (null worker)"]
-    print(f"\n### Added latency, {args.tokens:,}-token prompt, 1 output token, {args.requests} sequential requests each "
-          f"(targets in turn, keep-alive)\n")
+    print(f"\n### Added latency, {args.tokens:,}-token prompt, 1 output token, {args.requests} sequential requests "
+          f"each (targets in turn, keep-alive)\n")
     print("| path | p50 ms | p99 ms | added p50 ms | added p99 ms | CPU per request ms (its process) |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, values in times.items():
         print(f"{_row(name, values, direct)} {cpu[name] * 1e3:.3f} |")
-    print(f"\n### Throughput, {args.tokens:,}-token prompt, {args.concurrency} concurrent clients (one asyncio process), "
-          f"{args.throughput_requests} requests each\n")
+    print(f"\n### Throughput, {args.tokens:,}-token prompt, {args.concurrency} concurrent clients "
+          f"(one asyncio process), {args.throughput_requests} requests each\n")
     print("| path | requests/s |")
     print("|---|---:|")
     for name, rate in rates.items():

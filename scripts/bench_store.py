@@ -64,10 +64,12 @@ def bench_hash(num_tokens: int) -> None:
     loop = "C" if keys._chain_from_c else "Python"
     rows = [
         ("floor: xxh3_128 of all bytes, one call", best_of(lambda: xxhash.xxh3_128_digest(packed))),
-        (f"chain loop only ({loop}), tokens already packed", best_of(lambda: keys.chain_from(root, packed, namespace.block_size))),
+        (f"chain loop only ({loop}), tokens already packed",
+         best_of(lambda: keys.chain_from(root, packed, namespace.block_size))),
         ("prefixpool chain(), int32 ndarray in", best_of(lambda: chain(tokens, namespace))),
         ("prefixpool chain(), Python list in", best_of(lambda: chain(token_list, namespace))),
-        ("pure-Python chain loop, tokens already packed", best_of(lambda: keys.chain_from_python(root, packed, namespace.block_size))),
+        ("pure-Python chain loop, tokens already packed",
+         best_of(lambda: keys.chain_from_python(root, packed, namespace.block_size))),
         ("naive per-block Python loop", best_of(lambda: naive_chain(token_list, namespace), repeat=2)),
     ]
     assert chain(tokens, namespace) == naive_chain(token_list, namespace)

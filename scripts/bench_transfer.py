@@ -186,7 +186,8 @@ def recv_exactly(sock: socket.socket, buffer: memoryview) -> None:
         got += sock.recv_into(buffer[got:], buffer.nbytes - got, socket.MSG_WAITALL)
 
 
-def run_raw(place: Placement, block_bytes: int, arena_bytes: int, passes: int, verified: bool = False) -> tuple[float, bool]:
+def run_raw(place: Placement, block_bytes: int, arena_bytes: int, passes: int,
+            verified: bool = False) -> tuple[float, bool]:
     process, conn = start(raw_holder, place, block_bytes, arena_bytes, passes + 1, verified)
     port, expected = conn.recv()
     arena = arena_for(block_bytes, arena_bytes)
@@ -297,7 +298,8 @@ def main() -> None:
     parser.add_argument("--movers", default=",".join(MOVERS), help="comma-separated subset of the columns")
     parser.add_argument("--blocks", default=",".join(BLOCK_SIZES), help="comma-separated subset of the rows")
     parser.add_argument("--log-file", default=None, help="where Mooncake's and UCX's logs go (default: a temp file)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per cell, movers interleaved; the table shows medians")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per cell, movers interleaved; the table shows medians")
     parser.add_argument("--hosts", action="store_true", help="holder and receiver in two network namespaces (root)")
     args = parser.parse_args()
     send_native_logs_to(args.log_file)

@@ -92,7 +92,8 @@ def main() -> None:
     parser.add_argument("--arena-mib", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    print("CPU microseconds per block (process time, best of", args.repeat, "passes over a", args.arena_mib, "MiB arena)\n")
+    print("CPU microseconds per block (process time, best of", args.repeat, "passes over a", args.arena_mib,
+          "MiB arena)\n")
     print("| block | memcpy | xxh3 | holder | receiver | holder beyond xxh3 | receiver beyond xxh3 |")
     print("|---|---|---|---|---|---|---|")
     for label, block_bytes in BLOCK_SIZES.items():

@@ -39,7 +39,6 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
 from prefixpool.deploy.launcher import LocalCluster
 from prefixpool.deploy.processes import python_argv, spawn
 from prefixpool.meta.etcd_client import EtcdClient
@@ -48,6 +47,8 @@ from prefixpool.replay.live import LiveConfig, LiveResult, replay_live
 from prefixpool.replay.simulator import hit_rate_bound
 from prefixpool.replay.trace import load_trace
 from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, VllmConfig
+
+REPO = Path(__file__).resolve().parent.parent
 
 MODEL = "tiny-vllm"
 BLOCK = 32

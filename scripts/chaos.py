@@ -97,7 +97,8 @@ async def spawn_restart(cluster: LocalCluster, client: ApiClient, node_id: str) 
     return await wait_ready(client, len(cluster.workers))
 
 
-HEADER = ("| fault | requests | served | clean failures (503/4xx) | unclean | wrong outputs | recovery s | pools at rest | note |\n"
+HEADER = ("| fault | requests | served | clean failures (503/4xx) | unclean | wrong outputs | recovery s "
+          "| pools at rest | note |\n"
           "|---|---|---|---|---|---|---|---|---|")
 
 
@@ -110,8 +111,9 @@ def print_row(result: PhaseResult) -> None:
 
 # -- rolling restarts ------------------------------------------------------------------------------
 
-ROLLING_HEADER = ("| restarted in turn, under load | requests | served in full | clean failures | unclean | wrong outputs "
-                  "| drains (busy at SIGTERM) | exit codes | longest drain s | longest SIGTERM to exit s |\n"
+ROLLING_HEADER = ("| restarted in turn, under load | requests | served in full | clean failures | unclean "
+                  "| wrong outputs | drains (busy at SIGTERM) | exit codes | longest drain s "
+                  "| longest SIGTERM to exit s |\n"
                   "|---|---|---|---|---|---|---|---|---|---|")
 
 

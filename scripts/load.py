@@ -56,7 +56,8 @@ async def run_load(client: ApiClient, prompts: list[str], clients: int, seconds:
 def report(args, tally: Tally, outcomes: list[Outcome], samples: dict[str, list[float]], elapsed: float) -> str:
     ttfts = [o.ttft_s for o in outcomes if o.answered and o.ttft_s is not None]
     errors = tally.requests - tally.served
-    lines = [f"clients {args.clients}, {args.seconds:.0f} s, {args.workers} workers, tiny preset, streaming, 16 tokens each", "",
+    lines = [f"clients {args.clients}, {args.seconds:.0f} s, {args.workers} workers, tiny preset, streaming, "
+             "16 tokens each", "",
              "| requests | served | errors | wrong | req/s | TTFT p50 ms | TTFT p99 ms | cached tokens |",
              "|---|---|---|---|---|---|---|---|",
              f"| {tally.requests} | {tally.served} | {errors} | {len(tally.wrong)} | {tally.served / elapsed:.1f} | "

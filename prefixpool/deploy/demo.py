@@ -124,7 +124,8 @@ class Demo:
         self.rows.append((name, answers))
 
     def table(self) -> str:
-        lines = ["| phase | requests | TTFT median ms | prompt tokens | cached (hit rate) | fetched tokens | bytes moved |",
+        lines = ["| phase | requests | TTFT median ms | prompt tokens | cached (hit rate) | "
+                 "fetched tokens | bytes moved |",
                  "|---|---:|---:|---:|---:|---:|---:|"]
         for name, answers in self.rows:
             usage = [a["usage"] for a in answers]
@@ -135,6 +136,8 @@ class Demo:
             ttft = statistics.median(a["ttft"] for a in answers) * 1e3
             lines.append(f"| {name} | {len(answers)} | {ttft:.1f} | {prompt:,} | {cached:,} ({cached / prompt:.0%}) | "
                          f"{fetched:,} | {moved:,} |")
-        checked = sum(1 for _, answers in self.rows for a in answers if a["usage"]["prompt_tokens_details"]["cached_tokens"])
-        lines.append(f"\nEvery cached answer re-asked cold (fresh cache_salt): {checked - self.wrong}/{checked} identical.")
+        checked = sum(1 for _, answers in self.rows for a in answers
+                      if a["usage"]["prompt_tokens_details"]["cached_tokens"])
+        lines.append("\nEvery cached answer re-asked cold (fresh cache_salt): "
+                     f"{checked - self.wrong}/{checked} identical.")
         return "\n".join(lines)

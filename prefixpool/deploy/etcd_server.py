@@ -65,7 +65,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EtcdServer:
     def __init__(self, config: EtcdServerConfig = EtcdServerConfig()) -> None:
         if config.host in ("0.0.0.0", "::") and not config.advertise_host:
-            raise EtcdServerError(f"etcd listening on {config.host} needs --advertise-host (an address clients can reach)")
+            raise EtcdServerError(f"etcd listening on {config.host} needs --advertise-host "
+                                  "(an address clients can reach)")
         self.config = config
         self.client_port = config.client_port or free_port(config.host)
         self.peer_port = config.peer_port or free_port(config.host)
@@ -181,7 +182,8 @@ def _own_session_dying_with_parent() -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument("--host", default=env("PREFIXPOOL_ETCD_HOST", "127.0.0.1"),
-                        help="address to listen on (0.0.0.0: all; then --advertise-host is required) (env PREFIXPOOL_ETCD_HOST)")
+                        help="address to listen on (0.0.0.0: all; then --advertise-host is required) "
+                             "(env PREFIXPOOL_ETCD_HOST)")
     parser.add_argument("--advertise-host", default=env("PREFIXPOOL_ETCD_ADVERTISE_HOST", ""),
                         help="address clients are told (default: --host) (env PREFIXPOOL_ETCD_ADVERTISE_HOST)")
     parser.add_argument("--client-port", type=int, default=int(env("PREFIXPOOL_ETCD_CLIENT_PORT", "0")))

@@ -24,7 +24,8 @@ from pathlib import Path
 from prefixpool.deploy.etcd_server import EtcdServer
 from prefixpool.deploy.janitor import OwnedTempDir
 from prefixpool.deploy.processes import Child, python_argv, spawn
-from prefixpool.deploy.vllm_fleet import add_vllm_arguments, model_args, on_node, sidecar_args, vllm_config, vllm_temp_dir
+from prefixpool.deploy.vllm_fleet import (add_vllm_arguments, model_args, on_node, sidecar_args, vllm_config,
+                                          vllm_temp_dir)
 from prefixpool.deploy.vllm_server import VllmConfig, VllmServer
 
 
@@ -141,7 +142,8 @@ class LocalCluster:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=None, help="worker processes to start (default 2; 0 with --vllm)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="worker processes to start (default 2; 0 with --vllm)")
     parser.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker (repeatable)")
     parser.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeatable)")
     parser.add_argument("--log-dir", default="", help="keep component logs here (default: a temp dir, removed at exit)")

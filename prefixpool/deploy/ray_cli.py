@@ -21,13 +21,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default="auto", help="Ray cluster: auto, HOST:PORT or ray://HOST:10001")
     parser.add_argument("--workers", type=int, default=None,
                         help="worker actors (one GPU each where GPUs exist; default 2, 0 with --vllm)")
-    parser.add_argument("--etcd-endpoints", default="", help="existing etcd; empty starts one as an actor on the head node")
+    parser.add_argument("--etcd-endpoints", default="",
+                        help="existing etcd; empty starts one as an actor on the head node")
     parser.add_argument("--etcd-port", type=int, default=2379,
-                        help="client port of the etcd actor (peer port: +1); fixed, so a restarted actor keeps its endpoint")
+                        help="client port of the etcd actor (peer port: +1); fixed, so a restarted actor keeps its "
+                             "endpoint")
     parser.add_argument("--etcd-data-dir", default="",
-                        help="etcd actor's data dir on the head node (default: TMPDIR/prefixpool-ray-etcd-PORT); kept across restarts")
+                        help="etcd actor's data dir on the head node (default: TMPDIR/prefixpool-ray-etcd-PORT); "
+                             "kept across restarts")
     parser.add_argument("--router-host", default="", help="address the router actor binds (default: the router's "
-                        "own rule: loopback on a one-node cluster, the head's address on several; 0.0.0.0 in Kubernetes)")
+                        "own rule: loopback on a one-node cluster, the head's address on several; "
+                        "0.0.0.0 in Kubernetes)")
     parser.add_argument("--router-port", type=int, default=8000)
     add_vllm_arguments(parser)  # vLLM actors: a vLLM server and its sidecar each
 

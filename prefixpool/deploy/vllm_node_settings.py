@@ -12,7 +12,8 @@ from prefixpool.deploy.settings import setting
 class VllmNodeSettings(CommonSettings):
     vllm_url: str = setting("http://127.0.0.1:8000", "the vLLM server's OpenAI API base URL, as the router reaches it")
     kv_events: str = setting("tcp://127.0.0.1:5557", "vLLM's KV event PUB endpoint (its --kv-events-config endpoint)")
-    replay_endpoint: str = setting("", "vLLM's KV event replay endpoint (ROUTER), used to repair gaps; empty: clear and relearn")
+    replay_endpoint: str = setting("", "vLLM's KV event replay endpoint (ROUTER), used to repair gaps; "
+                                   "empty: clear and relearn")
     kv_topic: str = setting("", "topic vLLM publishes KV events under")
     node_id: str = setting("", "unique node name in the cluster (default: vllm-host-pid)")
     lease_ttl_s: int = setting(10, "etcd lease TTL; the node's blocks vanish this long after the sidecar dies")

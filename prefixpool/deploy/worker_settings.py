@@ -15,7 +15,8 @@ class WorkerSettings(CommonSettings):
                         "when etcd is on loopback, else the local address of the interface routing to etcd)")
     port: int = setting(0, "internal HTTP port (0 picks a free one)")
     advertise_host: str = setting("", "address peers and the router use to reach this worker, put in etcd (default: "
-                                  "host; with host 0.0.0.0 the address routing to etcd; never loopback into a remote etcd)")
+                                  "host; with host 0.0.0.0 the address routing to etcd; "
+                                  "never loopback into a remote etcd)")
     transfer: str = setting("tcp", "block transfer transport: tcp or ucx")
     transfer_port: int = setting(0, "transfer server port (0 picks a free one)")
     drain_deadline_s: float = setting(20.0, "on SIGTERM, how long admitted requests may run on before they are "
@@ -27,10 +28,13 @@ class WorkerSettings(CommonSettings):
     max_batch_size: int = setting(8, "requests decoded together")
     chunk_size: int = setting(512, "prefill chunk, in tokens")
     fetch_timeout_s: float = setting(5.0, "deadline of one block fetch from a peer")
-    fetch_while_queued: bool = setting(True, "queue a request before its planned fetch ends, so the transfer overlaps the wait")
-    cpu_threads: int = setting(1, "torch CPU threads (0 keeps torch's default); small kernels on shared cores run best on 1")
+    fetch_while_queued: bool = setting(True, "queue a request before its planned fetch ends, "
+                                       "so the transfer overlaps the wait")
+    cpu_threads: int = setting(1, "torch CPU threads (0 keeps torch's default); "
+                               "small kernels on shared cores run best on 1")
     token: str = setting("", "shared token required on the internal API and transfer port")
-    corrupt_transfer_every: int = setting(0, "fault injection (chaos tests): flip a byte in every Nth block sent to peers; 0 is off")
+    corrupt_transfer_every: int = setting(0, "fault injection (chaos tests): flip a byte in every Nth block sent to "
+                                          "peers; 0 is off")
     host_tier_blocks: int = setting(0, "blocks in the host-memory tier under the device pool (0: no host tier)")
     disk_tier_blocks: int = setting(0, "blocks in the local SSD tier (0: no SSD tier)")
     disk_tier_dir: str = setting("", "directory of the SSD tier's block files (kept across restarts)")

@@ -159,7 +159,8 @@ def _attend_grouped(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     tiles, tile, heads, dim = query.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
-    grouped = query.view(tiles, tile, kv_heads, groups, dim).transpose(1, 2).reshape(tiles, kv_heads, tile * groups, dim)
+    grouped = (query.view(tiles, tile, kv_heads, groups, dim).transpose(1, 2)
+               .reshape(tiles, kv_heads, tile * groups, dim))
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
     return out.view(tiles, kv_heads, tile, groups, dim).transpose(1, 2).reshape(tiles, tile, heads, dim)
 

@@ -88,4 +88,5 @@ class BlockIndex:
             for key in keys:
                 assert node_id in self.holders.get(key, {}), f"{key.hex()} lacks {node_id}"
             lower = sum(1 for key in keys if self.holders[key][node_id] != DEVICE)
-            assert self.num_lower.get(node_id, 0) == lower, f"{node_id}: num_lower {self.num_lower.get(node_id)} != {lower}"
+            assert self.num_lower.get(node_id, 0) == lower, (
+                f"{node_id}: num_lower {self.num_lower.get(node_id)} != {lower}")

@@ -101,7 +101,8 @@ class Membership:
     def update_load(self, num_queued: int, num_running: int, prefill_tokens_per_s: float) -> None:
         """Non-blocking: the record is re-put by the background task."""
         self.record = msgspec.structs.replace(self.record, num_queued=num_queued, num_running=num_running,
-                                              prefill_tokens_per_s=prefill_tokens_per_s, load_time=time.time())  # fmt: skip
+                                              prefill_tokens_per_s=prefill_tokens_per_s,
+                                              load_time=time.time())  # fmt: skip
         self._record_dirty = True
         self._wake.set()
 

@@ -38,7 +38,8 @@ class PublishesBlocks(Protocol):
     def publish(self, stored: Iterable[BlockKey] = ..., removed: Iterable[BlockKey] = ..., tier: str = ...) -> None: ...
 
 
-def publish_placement(publisher: PublishesBlocks, placement: tuple[Mapping[str, list[BlockKey]], list[BlockKey]]) -> None:
+def publish_placement(publisher: PublishesBlocks,
+                      placement: tuple[Mapping[str, list[BlockKey]], list[BlockKey]]) -> None:
     """Each key in the tier that holds it now, or deleted where none does (NodeBlocks.placement's answer)."""
     stored, removed = placement
     if removed:

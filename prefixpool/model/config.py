@@ -92,7 +92,8 @@ class ModelConfig:
         """Read an HF `config.json` of the llama / qwen2 / mistral family; ConfigError names what it refuses."""
         family = FAMILIES.get(str(hf.get("model_type")))
         if family is None:
-            raise ConfigError(f"model_type {hf.get('model_type')!r} is not supported (supported: {', '.join(FAMILIES)})")
+            raise ConfigError(f"model_type {hf.get('model_type')!r} is not supported "
+                              f"(supported: {', '.join(FAMILIES)})")
         _refuse_unsupported(hf)
         try:
             num_heads = int(hf["num_attention_heads"])
@@ -136,7 +137,8 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(
-        biases=lambda hf: {"attention_bias": bool(hf.get("attention_bias")), "o_proj_bias": bool(hf.get("attention_bias"))},
+        biases=lambda hf: {"attention_bias": bool(hf.get("attention_bias")),
+                           "o_proj_bias": bool(hf.get("attention_bias"))},
         bias_to_hf=lambda c: {"attention_bias": c.attention_bias},
         default_sliding=lambda hf, n: ()),
     "mistral": Family(

@@ -47,7 +47,8 @@ class Llama3Scaling:
         high_freq_wavelen = self.original_max_position / self.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = (inv_freq / self.factor).where(wavelen > low_freq_wavelen, inv_freq)
-        smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smooth = ((self.original_max_position / wavelen - self.low_freq_factor)
+                  / (self.high_freq_factor - self.low_freq_factor))
         smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return smoothed.where(is_medium, scaled)

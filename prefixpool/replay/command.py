@@ -19,14 +19,16 @@ from prefixpool.router.policy import POLICY_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", help="a JSONL trace path, or 'conversation' / 'synthetic' (copies in benchmarks/traces)")
+    parser.add_argument("trace",
+                        help="a JSONL trace path, or 'conversation' / 'synthetic' (copies in benchmarks/traces)")
     parser.add_argument("--mode", choices=["sim", "live"], default="sim")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--nodes", type=int, default=8, help="sim: prefill nodes")
     parser.add_argument("--capacity", type=int, default=2000, help="sim: blocks per node (0 = unlimited)")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="llama-3-70b-a800")
     parser.add_argument("--policies", default=",".join(POLICY_NAMES))
-    parser.add_argument("--sweep", default="250,500,1000,2000,4000,8000,0", help="sim: capacities for the sweep ('' to skip)")
+    parser.add_argument("--sweep", default="250,500,1000,2000,4000,8000,0",
+                        help="sim: capacities for the sweep ('' to skip)")
     parser.add_argument("--slo", type=float, default=30.0, help="TTFT SLO in seconds")
     parser.add_argument("--out", default="", help="directory for PNG plots and the markdown report")
     parser.add_argument("--router", default="http://127.0.0.1:8000", help="live: router URL")
@@ -60,10 +62,12 @@ def run_sim(records, args: argparse.Namespace) -> str:
     sweep = []
     for capacity in [int(c) for c in args.sweep.split(",") if c.strip()]:
         sized = SimConfig(args.nodes, capacity or None, costs, args.slo)
-        sweep.append((capacity or _unlimited(records), simulate(records, "cost", sized), simulate(records, "cost_local", sized)))
+        sweep.append((capacity or _unlimited(records), simulate(records, "cost", sized),
+                      simulate(records, "cost_local", sized)))
     name = Path(args.trace).stem.replace("_trace", "")
     lines = [
-        f"### {name}: {len(records):,} requests, {args.nodes} nodes, {args.capacity or 'unlimited'} blocks/node, profile {args.profile}",
+        f"### {name}: {len(records):,} requests, {args.nodes} nodes, {args.capacity or 'unlimited'} blocks/node, "
+        f"profile {args.profile}",
         "", f"Infinite-cache bound on the hit rate: {hit_rate_bound(records):.3f}", "",
         policy_table(results, args.slo), "",
     ]

@@ -16,7 +16,8 @@ def policy_table(results: list[SimResult], slo_s: float) -> str:
     base = {r.policy: r for r in results}
     ref = base.get("cost")
     lines = [
-        f"| policy | hit rate | TTFT mean s | p50 | p90 | p99 | > SLO {slo_s:g}s | GB moved | imbalance | hit frac p50 / p90 / p99 | mean vs cost |",
+        f"| policy | hit rate | TTFT mean s | p50 | p90 | p99 | > SLO {slo_s:g}s | GB moved | imbalance | "
+        "hit frac p50 / p90 / p99 | mean vs cost |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
@@ -30,16 +31,18 @@ def policy_table(results: list[SimResult], slo_s: float) -> str:
 
 
 def sweep_table(sweep: list[tuple[int, SimResult, SimResult]], block_tokens: int) -> str:
-    lines = ["| capacity per node (blocks) | tokens | global hit | local-only hit | global/local hit | global TTFT mean | local TTFT mean |",
+    lines = ["| capacity per node (blocks) | tokens | global hit | local-only hit | global/local hit | "
+             "global TTFT mean | local TTFT mean |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for capacity, glob, local in sweep:
         gain = glob.hit_rate / local.hit_rate if local.hit_rate else float("inf")
-        lines.append(f"| {capacity:,} | {capacity * block_tokens / 1e6:.1f}M | {glob.hit_rate:.3f} | {local.hit_rate:.3f} | "
-                     f"{gain:.2f}x | {glob.ttft_s.mean():.2f} | {local.ttft_s.mean():.2f} |")
+        lines.append(f"| {capacity:,} | {capacity * block_tokens / 1e6:.1f}M | {glob.hit_rate:.3f} | "
+                     f"{local.hit_rate:.3f} | {gain:.2f}x | {glob.ttft_s.mean():.2f} | {local.ttft_s.mean():.2f} |")
     return "\n".join(lines)
 
 
-def plot(results: list[SimResult], sweep: list[tuple[int, SimResult, SimResult]], out_dir: Path, name: str) -> list[Path]:
+def plot(results: list[SimResult], sweep: list[tuple[int, SimResult, SimResult]], out_dir: Path,
+         name: str) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,8 +62,9 @@ def plot(results: list[SimResult], sweep: list[tuple[int, SimResult, SimResult]]
         fig, ax = plt.subplots(figsize=(7, 4.5))
         caps = [c for c, _, _ in sweep]
         ax.plot(caps, [g.hit_rate for _, g, _ in sweep], marker="o", label="global pool (cost)")
-        ax.plot(caps, [l.hit_rate for _, _, l in sweep], marker="o", label="local only (cost_local)")
-        ax.set(xscale="log", xlabel="capacity per node (blocks)", ylabel="hit rate (input tokens)", title=f"{name}: hit rate vs capacity")
+        ax.plot(caps, [loc.hit_rate for _, _, loc in sweep], marker="o", label="local only (cost_local)")
+        ax.set(xscale="log", xlabel="capacity per node (blocks)", ylabel="hit rate (input tokens)",
+               title=f"{name}: hit rate vs capacity")
         ax.legend()
         paths.append(_save(fig, out_dir / f"replay_{name}_hit_vs_capacity.png"))
 

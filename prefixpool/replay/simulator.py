@@ -73,7 +73,8 @@ def _capacity(config: SimConfig, records: list[TraceRecord]) -> int:
 
 def simulate(records: list[TraceRecord], policy: str, config: SimConfig) -> SimResult:
     capacity = _capacity(config, records)
-    nodes = {f"n{i}": SimNode(f"n{i}", capacity, config.host_blocks, config.disk_blocks) for i in range(config.num_nodes)}
+    nodes = {f"n{i}": SimNode(f"n{i}", capacity, config.host_blocks, config.disk_blocks)
+             for i in range(config.num_nodes)}
     run = _Run(config, nodes, policies()[policy], random.Random(config.seed))
     for seq, record in enumerate(records):
         run.finish_until(record.timestamp_ms / 1000.0)
@@ -93,7 +94,8 @@ class _Run:
     choose: Callable
     rng: random.Random
     index: BlockIndex = field(default_factory=BlockIndex)
-    finishing: list[tuple[float, int, str, list[BlockKey], int]] = field(default_factory=list)  # (end, seq, node, keys, tokens)
+    # (end, seq, node, keys, tokens)
+    finishing: list[tuple[float, int, str, list[BlockKey], int]] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     fractions: list[float] = field(default_factory=list)
     hit_tokens: int = 0

@@ -58,7 +58,8 @@ async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as err:
         if err.status < 400:
             raise
-        api = RouteNotFound(f"{request.method} {request.path}: {err.reason}") if err.status == 404 else InvalidRequest(err.reason)
+        api = (RouteNotFound(f"{request.method} {request.path}: {err.reason}") if err.status == 404
+               else InvalidRequest(err.reason))
         api.status = err.status
         return error_response(api)
     except Exception:  # a bug: still answer in the API's error shape, and log it

@@ -83,7 +83,8 @@ class InflightTracker:
 
     def snapshot(self) -> dict[str, tuple[int, int]]:
         """worker -> (requests in flight, queued prefill tokens), idle workers left out."""
-        return {worker: self._entry(load) for worker, load in self._workers.items() if load.num_queued or load.num_running}
+        return {worker: self._entry(load) for worker, load in self._workers.items()
+                if load.num_queued or load.num_running}
 
     def published(self, snapshot: dict[str, tuple[int, int]], revision: int) -> None:
         """`snapshot` went to etcd at `revision`: workers unchanged since it was taken are published."""

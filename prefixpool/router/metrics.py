@@ -21,13 +21,18 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("prefixpool_requests", "Requests answered, by endpoint and status", ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("prefixpool_ttft_seconds", "Time to first token seen by the router", buckets=TTFT_BUCKETS, registry=r)
+        self.requests = Counter("prefixpool_requests", "Requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("prefixpool_ttft_seconds", "Time to first token seen by the router",
+                              buckets=TTFT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("prefixpool_prompt_tokens", "Prompt tokens received", registry=r)
-        self.cached_tokens = Counter("prefixpool_cached_tokens", "Prompt tokens not recomputed (local hit or fetched)", registry=r)
-        self.fetched_tokens = Counter("prefixpool_fetched_tokens", "Prompt tokens whose KV was fetched from a peer", registry=r)
+        self.cached_tokens = Counter("prefixpool_cached_tokens", "Prompt tokens not recomputed (local hit or fetched)",
+                                     registry=r)
+        self.fetched_tokens = Counter("prefixpool_fetched_tokens", "Prompt tokens whose KV was fetched from a peer",
+                                      registry=r)
         self.fetched_bytes = Counter("prefixpool_fetched_bytes", "KV bytes moved between workers", registry=r)
-        self.hit_fraction = Histogram("prefixpool_hit_fraction", "Per-request fraction of prompt tokens not recomputed", buckets=FRACTION_BUCKETS, registry=r)
+        self.hit_fraction = Histogram("prefixpool_hit_fraction", "Per-request fraction of prompt tokens not recomputed",
+                                      buckets=FRACTION_BUCKETS, registry=r)
         self.planned_blocks = Counter("prefixpool_planned_hit_blocks", "Prompt blocks the route counted on reusing",
                                       registry=r)
         self.missed_blocks = Counter("prefixpool_missed_hit_blocks", "Planned blocks the worker recomputed "
@@ -43,7 +48,8 @@ class RouterMetrics:
                               multiprocess_mode="livesum")
         self.queued_tokens = Gauge("prefixpool_worker_queued_prefill_tokens", "Prefill tokens queued per worker",
                                    ["worker"], registry=r, multiprocess_mode="livesum")
-        self.workers = Gauge("prefixpool_workers", "Workers registered in etcd", registry=r, multiprocess_mode="livemax")
+        self.workers = Gauge("prefixpool_workers", "Workers registered in etcd", registry=r,
+                             multiprocess_mode="livemax")
         self.index_keys = Gauge("prefixpool_index_keys", "Block keys in the router's index mirror", registry=r,
                                 multiprocess_mode="livemax")
         self.mirror_lag = Gauge("prefixpool_mirror_lag_seconds", "Seconds since the mirror last applied an etcd event",

@@ -230,8 +230,8 @@ def policies() -> dict[str, Policy]:
     return {
         "cost": _by_cost(allow_fetch=True),
         "cost_local": _by_cost(allow_fetch=False),
-        "least_load": _by_key(lambda w, m, l: (l[w].queued_prefill_tokens, l[w].num_running, w)),
-        "longest_prefix": _by_key(lambda w, m, l: (-m.get(w, 0), w)),
+        "least_load": _by_key(lambda w, m, loads: (loads[w].queued_prefill_tokens, loads[w].num_running, w)),
+        "longest_prefix": _by_key(lambda w, m, loads: (-m.get(w, 0), w)),
         "round_robin": RoundRobin(),
         "random": _random,
     }

@@ -129,7 +129,8 @@ class Router:
         if body.model != self.model:
             raise ModelNotFound(f"model {body.model!r} does not exist; this router serves {self.model!r} "
                                 "(LoRA adapters, named like models, are not routed: their KV differs from the "
-                                "base model's, so its cache index cannot hold them)", param="model", code="model_not_found")
+                                "base model's, so its cache index cannot hold them)",
+                                param="model", code="model_not_found")
         if ids is None:
             ids = self.tokenize(body)
         max_tokens = requested_tokens(body, self.config.default_max_tokens)
@@ -220,7 +221,8 @@ class Router:
         plan, matches = self.decide(prepared, explain=True)
         loads = {n: self._load(n, w) for n, w in self.live_workers().items()}
         return {"num_prompt_tokens": len(prepared.ids), "num_blocks": len(prepared.keys),
-                "policy": self.config.policy, "matches": matches, "lower_tiers": self._lower_tiers(prepared.keys, matches),
+                "policy": self.config.policy, "matches": matches,
+                "lower_tiers": self._lower_tiers(prepared.keys, matches),
                 "loads": {n: {"requests": load.num_running, "queued_prefill_tokens": load.queued_prefill_tokens}
                           for n, load in loads.items()},
                 "kinds": {n: kind_of(w) for n, w in self.live_workers().items()}, "refused": self.refused_workers(),

@@ -20,7 +20,8 @@ class BlockSizeMismatch(ValueError):
 
 
 class KVArena:
-    def __init__(self, shape: ArenaShape, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    def __init__(self, shape: ArenaShape, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
         self.shape = shape
         self.dtype = dtype
         self.device = torch.device(device)

@@ -54,7 +54,8 @@ async def wait_ready(client: ApiClient, num_workers: int, timeout_s: float = 60.
     """Until the router sees `num_workers` workers and a fresh request is answered."""
     async def ready() -> bool:
         status, body = await client.get_json("/readyz")
-        return status == 200 and body["workers"] == num_workers and (await client.complete("ping", salt=str(time.time()))).answered
+        return (status == 200 and body["workers"] == num_workers
+                and (await client.complete("ping", salt=str(time.time()))).answered)
     return await wait_until(ready, timeout_s, f"{num_workers} workers serving")
 
 
@@ -212,7 +213,8 @@ async def warm_directly(cluster: LocalCluster, node_id: str, prompts: list[str],
                 await response.read()
 
 
-async def pinned_flood(client: ApiClient, num_requests: int, prompt_chars: int = 330, max_tokens: int = 24) -> list[Outcome]:
+async def pinned_flood(client: ApiClient, num_requests: int, prompt_chars: int = 330,
+                       max_tokens: int = 24) -> list[Outcome]:
     """Many concurrent long requests on small pools: they wait for blocks, or fail cleanly."""
     prompts = [f"{i:03d} " + ("long shared context line. " * 40)[:prompt_chars] for i in range(num_requests)]
     prompts.append("x" * 48 * 16 + "an impossible one: larger than any pool")

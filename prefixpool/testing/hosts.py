@@ -105,7 +105,8 @@ class Hosts:
         # A host is another machine: it does not inherit this process's choice of UCX device (tests of one
         # machine set UCX_NET_DEVICES=lo, which would leave a worker in a namespace unable to reach a peer).
         argv = ["env", "-u", "UCX_NET_DEVICES", *argv]
-        child = spawn(name, host.argv(argv), log_dir, env, timeout_s)  # `ip netns exec` and env exec: the pid is the child's
+        # `ip netns exec` and env exec: the pid is the child's
+        child = spawn(name, host.argv(argv), log_dir, env, timeout_s)
         self.children.append(child)
         return child
 

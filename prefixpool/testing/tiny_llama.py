@@ -62,8 +62,9 @@ def main() -> None:
         pad_token=SPECIALS[2], chat_template=CHAT_TEMPLATE)
     tokenizer.save_pretrained(out)
     torch.manual_seed(args.seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size,
+                         intermediate_size=args.intermediate_size, num_hidden_layers=args.layers,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                          max_position_embeddings=args.max_position,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, dtype="float32")

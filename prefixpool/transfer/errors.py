@@ -15,7 +15,8 @@ from prefixpool.store.keys import BlockKey
 class TransferError(Exception):
     """A fetch that failed; the caller recomputes what it did not get."""
 
-    def __init__(self, message: str, *, stored: list[BlockKey] | None = None, evicted: list[BlockKey] | None = None) -> None:
+    def __init__(self, message: str, *, stored: list[BlockKey] | None = None,
+                 evicted: list[BlockKey] | None = None) -> None:
         super().__init__(message)
         self.stored: list[BlockKey] = stored or []  # committed in the receiver's pool (unpinned, cached)
         self.evicted: list[BlockKey] = evicted or []  # keys the receiver's allocations evicted: publish them

@@ -72,7 +72,8 @@ class Fetcher:
                 await self._client(address.scheme).fetch(address, FetchRequest(wanted, self.token), sink)
         except TimeoutError as err:
             stored, evicted = sink.abort()
-            raise TransferTimeout(f"fetch from {peer_url} passed its {deadline_s}s deadline", stored=stored, evicted=evicted) from err
+            raise TransferTimeout(f"fetch from {peer_url} passed its {deadline_s}s deadline",
+                                  stored=stored, evicted=evicted) from err
         except TransferError as err:
             err.stored, err.evicted = sink.abort()
             raise

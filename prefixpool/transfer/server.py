@@ -40,7 +40,8 @@ SERVERS = {"tcp": TcpServer, "ucx": _ucx_server}
 
 
 async def serve(
-    blocks: NodeBlocks, arena: KVArena, url: str = "tcp://127.0.0.1:0", token: str = "", *, source: BlockSource | None = None
+    blocks: NodeBlocks, arena: KVArena, url: str = "tcp://127.0.0.1:0", token: str = "", *,
+    source: BlockSource | None = None
 ) -> Server:
     address = parse_url(url)
     server = SERVERS[address.scheme](source or BlockSource(blocks, arena), token)

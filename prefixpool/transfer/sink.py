@@ -59,7 +59,8 @@ class _Staging:
     def buffer(self, index: int) -> memoryview:
         if index not in self.lent:
             spare = self.spare.pop() if self.spare else None
-            self.lent[index] = spare if spare is not None else torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.pin)
+            self.lent[index] = (spare if spare is not None
+                                else torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.pin))
         return memoryview(self.lent[index].numpy()).cast("B")
 
     def give_back(self, index: int) -> None:
@@ -77,7 +78,8 @@ class BlockSink:
         self.evicted: list[BlockKey] = []
         self.rejected = False
         self._host_bytes = host_blocks(arena)
-        self._staging = None if self._host_bytes is not None else _Staging(arena.block_bytes, pin=arena.device.type == "cuda")
+        self._staging = (None if self._host_bytes is not None
+                         else _Staging(arena.block_bytes, pin=arena.device.type == "cuda"))
 
     def expect(self, num_blocks: int, block_bytes: int) -> int:
         """Allocate for the holder's answer; returns how many blocks to receive (may be fewer)."""

@@ -55,7 +55,8 @@ async def send_all(sock: socket.socket, *buffers: bytes | memoryview) -> None:
 
 
 SCATTER_BUFFERS = 64  # buffers one receive syscall may fill (Linux allows 1024)
-SCATTER_BYTES = 1 << 20  # ... and bytes (at least one buffer): the checksum then reads what the copy just wrote, in cache
+# ... and bytes (at least one buffer): the checksum then reads what the copy just wrote, in cache
+SCATTER_BYTES = 1 << 20
 WAKE_BYTES = 1 << 20  # a waiting receive wakes once this much (or all it still needs) has arrived
 
 

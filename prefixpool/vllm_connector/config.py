@@ -48,7 +48,7 @@ class ConnectorConfig:
     lease_ttl_s: int = 10
     fetch_timeout_s: float = 5.0  # one peer fetch; past it the request recomputes
     lookup_timeout_s: float = 1.0  # the scheduler's wait for its etcd mirror's thread, per request
-    fault_file: str = ""  # fault injection for tests: pool_faults.py reads it per fetch served
+    fault_file: str = ""  # fault injection for tests: prefixpool/node/faults.py reads it per fetch served
 
     def pool_node_id(self) -> str:
         return f"{self.node_id}.pool"
@@ -83,6 +83,7 @@ def config_from(extra: Mapping[str, Any], engine_id: str = "") -> ConnectorConfi
 def kv_transfer_json(extra: Mapping[str, Any]) -> str:
     """vLLM's --kv-transfer-config for this connector with `extra` as its settings (checked here first)."""
     config_from(extra)
-    return json.dumps({"kv_connector": "PrefixPoolConnector", "kv_connector_module_path": "prefixpool.vllm_connector.connector",
+    return json.dumps({"kv_connector": "PrefixPoolConnector",
+                       "kv_connector_module_path": "prefixpool.vllm_connector.connector",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": dict(extra)})

@@ -49,7 +49,8 @@ class Layer:
 def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
     dims = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
     if not dims:
-        raise UnsupportedLayout(f"no dimension of size {num_blocks} (the block count) in KV shape {tuple(tensor.shape)}")
+        raise UnsupportedLayout(f"no dimension of size {num_blocks} (the block count) "
+                                f"in KV shape {tuple(tensor.shape)}")
     return dims[0]  # a leading [2, ...] split comes first; the blocks dimension is the first of that size
 
 
@@ -70,7 +71,8 @@ class PagedKV:
         self.device = self.layers[0].tensor.device
         self.pinned = self.device.type == "cuda"
         if self.block_elements % (2 * block_size):
-            raise UnsupportedLayout(f"{self.block_elements} elements per layer block is not K and V of {block_size} tokens")
+            raise UnsupportedLayout(f"{self.block_elements} elements per layer block "
+                                    f"is not K and V of {block_size} tokens")
 
     def arena_shape(self, num_blocks: int) -> ArenaShape:
         """A pool arena whose blocks hold exactly one vLLM block of every layer."""

@@ -101,7 +101,8 @@ class SchedulerSide:
         None while the lookup is still running (vLLM asks again next step)."""
         tracked = self._track(request_id, salt, lora)
         num_blocks = (len(tokens) - 1) // self.block_size
-        keys = chain_from(tracked.namespace.root(), pack_tokens(tokens[: num_blocks * self.block_size]), self.block_size)
+        keys = chain_from(tracked.namespace.root(), pack_tokens(tokens[: num_blocks * self.block_size]),
+                          self.block_size)
         try:
             plan = self._lookup(request_id, keys, tracked.num_peer_loads == 0) if keys else None
         except _StillLooking:
@@ -121,7 +122,8 @@ class SchedulerSide:
     def _lookup(self, request_id: str, keys: list[BlockKey], peers: bool) -> Plan | None:
         """The plan, read on the mirror's own thread. Waits LOOKUP_WAIT_S for it, then raises _StillLooking
         (vLLM asks again next step) until lookup_timeout_s: past it the request computes without the pool."""
-        started, lookup = self._lookups.get(request_id) or (time.monotonic(), self._loop.submit(self._plan(keys, peers)))
+        started, lookup = (self._lookups.get(request_id)
+                           or (time.monotonic(), self._loop.submit(self._plan(keys, peers))))
         try:
             plan = lookup.result(LOOKUP_WAIT_S)
         except concurrent.futures.TimeoutError:
@@ -165,7 +167,8 @@ class SchedulerSide:
             self._loads[request_id] = (planned[0], planned[1], background)
             self._tracked[request_id].num_peer_loads += bool(planned[0].peer_url)
 
-    def step(self, scheduled: dict[str, int], requests: dict[str, object], block_ids) -> tuple[list[LoadOp], list[SaveOp]]:
+    def step(self, scheduled: dict[str, int], requests: dict[str, object],
+             block_ids) -> tuple[list[LoadOp], list[SaveOp]]:
         """This step's loads and saves; `scheduled` = tokens per request, `block_ids(request_id)` its vLLM blocks."""
         # a request vLLM schedules in this very step did not go to WAITING_FOR_REMOTE_KVS: load it now
         loads = [LoadOp(rid, plan.keys, first, block_ids(rid)[first: len(plan.keys)], plan.peer_url,

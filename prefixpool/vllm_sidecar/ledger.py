@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from prefixpool.vllm_sidecar.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event, cache_salt_of, has_media
+from prefixpool.vllm_sidecar.events import (AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event,
+                                            cache_salt_of, has_media)
 from prefixpool.store.keys import BlockKey, Namespace, chain_from, pack_tokens
 
 log = logging.getLogger(__name__)

@@ -53,7 +53,8 @@ from prefixpool.deploy import router_cli, router_processes
 config = router_cli.model_config("served", sys.argv[1])
 tokenizer = router_cli.tokenizer_for(sys.argv[1])
 namespace = router_cli.cache_namespace(config, "bfloat16", 16)
-print("READ", config.name, config.num_layers, config.kv_bytes_per_token("bfloat16"), namespace.dtype, len(tokenizer.encode("hi")))
+print("READ", config.name, config.num_layers, config.kv_bytes_per_token("bfloat16"), namespace.dtype,
+      len(tokenizer.encode("hi")))
 print("TORCH", "torch" in sys.modules)
 """
 

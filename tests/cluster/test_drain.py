@@ -25,7 +25,8 @@ import pytest
 from prefixpool.deploy.processes import die_with_parent
 from prefixpool.contract.drain import Drain, DrainDeadline, Draining
 from prefixpool.testing.chaos_client import BalancedClient, Oracle, Tally, steady_load, workload
-from prefixpool.testing.chaos_faults import cluster_for, pids_alive, quiet_pools, spawn_worker, wait_ready, warm_directly
+from prefixpool.testing.chaos_faults import (cluster_for, pids_alive, quiet_pools, spawn_worker, wait_ready,
+                                             warm_directly)
 from prefixpool.testing.chaos_rolling import rolling_restart_routers, rolling_restart_workers, worker_streams
 
 pytestmark = pytest.mark.timeout(300)

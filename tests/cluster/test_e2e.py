@@ -168,7 +168,8 @@ def test_worker_sigkill_is_survived(cluster, client):
 def _metrics(router_url: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{router_url}/metrics") as reply:
         text = reply.read().decode()
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
 
 
 def test_metrics_report_requests_hits_and_the_index(cluster, client):
@@ -192,7 +193,8 @@ def test_live_trace_replay_reuses_the_traces_prefixes(cluster):
     from prefixpool.replay.trace import load_trace
 
     records = load_trace("conversation", limit=12)
-    config = LiveConfig(cluster.router_url, block_tokens=32, speedup=1000.0, concurrency=1, max_output=2, vocab_size=250)
+    config = LiveConfig(cluster.router_url, block_tokens=32, speedup=1000.0, concurrency=1, max_output=2,
+                        vocab_size=250)
     results = asyncio.run(replay_live(records, config))
     assert [r.error for r in results] == [None] * len(records)
     assert sum(r.cached_tokens for r in results) > 0  # every conversation request starts with block id 0

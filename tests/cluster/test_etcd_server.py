@@ -19,8 +19,9 @@ def test_restart_keeps_or_wipes_data(own_etcd):
 
 
 def test_cli_subcommand_serves_until_sigterm_and_cleans_up():
-    process = subprocess.Popen([sys.executable, "-m", "prefixpool.deploy.cli", "etcd"], stdout=subprocess.PIPE, text=True,
-                               cwd=Path(__file__).resolve().parents[2], start_new_session=True)  # fmt: skip
+    process = subprocess.Popen([sys.executable, "-m", "prefixpool.deploy.cli", "etcd"], stdout=subprocess.PIPE,
+                               text=True, cwd=Path(__file__).resolve().parents[2],
+                               start_new_session=True)  # fmt: skip
     try:
         line = process.stdout.readline()  # "etcd http://127.0.0.1:PORT (pid N, data DIR)"
         url, data_dir = line.split()[1], line.rsplit("data ", 1)[1].rstrip(")\n")

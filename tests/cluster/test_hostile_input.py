@@ -44,7 +44,8 @@ def body() -> st.SearchStrategy:
     """A request dict in which some fields are hostile (sometimes the whole thing is valid)."""
     prompt = st.one_of(text(), st.lists(st.one_of(st.integers(), text()), max_size=4), value())
     messages = st.one_of(value(), st.lists(st.fixed_dictionaries(
-        {"role": st.one_of(st.sampled_from(["user", "system", "wizard"]), value()), "content": st.one_of(text(), value())}),
+        {"role": st.one_of(st.sampled_from(["user", "system", "wizard"]), value()),
+         "content": st.one_of(text(), value())}),
         max_size=3))
     fields = {"model": st.one_of(st.just("tiny"), text(), value()), "prompt": prompt, "messages": messages,
               "max_tokens": st.one_of(st.sampled_from([1, 2, 3]), value()), "temperature": value(), "top_p": value(),
@@ -61,7 +62,8 @@ def raw_bodies() -> st.SearchStrategy:
         b'{"model": "tiny", "prompt": "\xff\xfe"}', b'{"model": "tiny", "prompt": "\\ud800"}',
         b'{"model": "tiny", "prompt": "a", "max_tokens": 1e999}', b'{"model":"tiny","prompt":"a","prompt":[1]}',
         b"\x00" * 32, b"[" * 100_000 + b"]" * 100_000, b'{"model": "tiny", "prompt": ' + b"[" * 5000,
-        b'{"model": "tiny", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", "{\"model\": \"tiny\", \"prompt\": \"\u202e\"}".encode()]))
+        b'{"model": "tiny", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}",
+        "{\"model\": \"tiny\", \"prompt\": \"\u202e\"}".encode()]))
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +154,8 @@ def test_a_flood_of_tiny_requests_is_answered(cluster):
 
 def test_still_serving_afterwards(cluster):
     status, payload = post(cluster.router_url + "/v1/completions",
-                           json.dumps({"model": "tiny", "prompt": "still here?", "max_tokens": 4, "temperature": 0}).encode())
+                           json.dumps({"model": "tiny", "prompt": "still here?", "max_tokens": 4,
+                                       "temperature": 0}).encode())
     assert status == 200, payload[:300]
     assert json.loads(payload)["usage"]["completion_tokens"] >= 1
     reports = asyncio.run(quiet_pools(cluster))

@@ -111,7 +111,8 @@ def test_every_flag_and_variable_is_one_the_cli_accepts(overlay):
 def test_the_common_config_map_is_exactly_the_shared_settings():
     from prefixpool.deploy.common_settings import CommonSettings
 
-    common = next(d for d in render("base") if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "prefixpool-common")
+    common = next(d for d in render("base")
+                  if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "prefixpool-common")
     assert set(common["data"]) == env_names(CommonSettings)
 
 
@@ -171,7 +172,8 @@ def test_the_connector_overlay_gives_each_vllm_pod_a_pool_named_after_its_node()
     pod = docs[("StatefulSet", "vllm")]["spec"]["template"]["spec"]
     vllm, sidecar = (next(c for c in pod["containers"] if c["name"] == n) for n in ("vllm", "sidecar"))
     kv = json.loads(next(a for a in vllm["args"] if a.startswith("--kv-transfer-config=")).split("=", 1)[1])
-    assert kv["kv_connector_module_path"] == "prefixpool.vllm_connector.connector" and kv["kv_load_failure_policy"] == "recompute"
+    assert (kv["kv_connector_module_path"] == "prefixpool.vllm_connector.connector"
+            and kv["kv_load_failure_policy"] == "recompute")
     extra = config_from(kv["kv_connector_extra_config"])  # every key one the connector knows
     env = {e["name"]: e["valueFrom"] for e in vllm["env"]}
     sidecar_env = {e["name"]: e.get("valueFrom") for e in sidecar["env"]}

@@ -50,7 +50,8 @@ def test_unsupported_configs_are_refused_naming_the_field(tmp_path, case):
 def test_old_and_new_rope_fields_read_the_same():
     new = {**preset("tiny").to_hf(), "rope_parameters": LLAMA3}
     old = {**preset("tiny").to_hf(), "rope_parameters": None, "rope_theta": 500000.0,
-           "rope_scaling": {**{k: v for k, v in LLAMA3.items() if k not in ("rope_type", "rope_theta")}, "type": "llama3"}}
+           "rope_scaling": {**{k: v for k, v in LLAMA3.items() if k not in ("rope_type", "rope_theta")},
+                            "type": "llama3"}}
     config = ModelConfig.from_hf(new, "m")
     assert config == ModelConfig.from_hf(old, "m")
     assert config.rope_scaling == Llama3Scaling(8.0, 1.0, 4.0, 8192) and config.rope_theta == 500000.0

@@ -1,4 +1,5 @@
-"""No orphans: SIGKILL of `prefixpool up`, `worker`, `router --processes` or `etcd` leaves no process and no temp dir behind.
+"""No orphans: SIGKILL of `prefixpool up`, `worker`, `router --processes` or `etcd` leaves no process and no
+temp dir behind.
 
 Each command runs with TMPDIR pointed at a directory of the test's own, so
 "no temp dir left" is checked exactly; every descendant is found through

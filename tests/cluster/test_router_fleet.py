@@ -39,7 +39,8 @@ DEADLINE_S = 60.0
 
 
 def _post(url: str, path: str, body: dict, timeout_s: float = 120.0) -> tuple[int, dict]:
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             return reply.status, json.load(reply)
@@ -119,7 +120,8 @@ async def _published(router: Router, worker: str) -> int:
     return revision
 
 
-async def _take_turns(endpoint: str, ns: str, num_routers: int, publish: bool, num_requests: int = 12) -> dict[str, int]:
+async def _take_turns(endpoint: str, ns: str, num_routers: int, publish: bool,
+                      num_requests: int = 12) -> dict[str, int]:
     """Requests for the shared prefix, in turn through the routers; per worker, how many it was given."""
     parts = [await _router(endpoint, ns, f"r{i}", publish) for i in range(num_routers)]
     counts = {"w0": 0, "w1": 0}
@@ -129,7 +131,8 @@ async def _take_turns(endpoint: str, ns: str, num_routers: int, publish: bool, n
                 await asyncio.sleep(0.01)
         for i in range(num_requests):
             router = parts[i % num_routers][0]
-            body = CompletionBody(model="tiny", prompt=PREFIX + f"question number {i:03d}, forty tokens long", max_tokens=1)
+            body = CompletionBody(model="tiny", prompt=PREFIX + f"question number {i:03d}, forty tokens long",
+                                  max_tokens=1)
             plan, _ = router.decide(router.prepare(body))
             router.inflight.begin(plan.worker, plan.prefill_tokens)
             counts[plan.worker] += 1

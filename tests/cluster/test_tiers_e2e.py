@@ -129,7 +129,8 @@ def test_restart_with_warm_ssd_republishes_and_hits(cluster, disk_dir):
     cluster.workers[WORKER].stop()
     wait_for(lambda: workers(url) == 0 and not route_matches(url, text, "s-restart"), "the node's blocks to vanish")
     cluster.start_worker(WORKER)
-    wait_for(lambda: lower_tiers(url, text, "s-restart") == {"disk": PROMPT_BLOCKS}, "the SSD blocks to be re-published")
+    wait_for(lambda: lower_tiers(url, text, "s-restart") == {"disk": PROMPT_BLOCKS},
+             "the SSD blocks to be re-published")
     again, cached = complete(url, text, "s-restart")
     assert cached == PROMPT_BLOCKS * BLOCK and again == first
 

@@ -67,7 +67,8 @@ def nodes(hosts, tmp_path_factory):
 @pytest.fixture(scope="module")
 def deployed(hosts, nodes):
     out = run_in(hosts[0], [*python_argv("ray", "up", "--workers", "2", "--address", f"{hosts[0].address}:6379",
-                                         "--router-host", "0.0.0.0", "--router-port", "0", "--etcd-port", str(ETCD_PORT))],
+                                         "--router-host", "0.0.0.0", "--router-port", "0",
+                                         "--etcd-port", str(ETCD_PORT))],
                  ray_env(nodes[0]))
     lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
     deployment = {"router": lines["router"].strip(), "etcd": lines["etcd"].strip()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -17,11 +18,17 @@ from prefixpool.deploy.vllm_fleet import vllm_temp_dir
 from prefixpool.vllm_connector.config import kv_transfer_json
 from prefixpool.deploy.vllm_server import VllmConfig, VllmServer
 from tests.support.multihost import block_count, node_records, start_etcd, wait_until
-from tests.vllm.test_vllm import BLOCK, MODEL, cached, complete, model_dir  # noqa: F401 (a fixture)
+from tests.support.vllm_model import make_tiny_llama
+from tests.vllm.test_vllm import BLOCK, MODEL, cached, complete
 from tests.vllm.test_vllm_connector import BLOCK_BYTES, prompt
 
 pytestmark = pytest.mark.timeout(1200)
 NUM_HOSTS = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,8 @@ def wait_for(condition, timeout_s: float = 60.0) -> None:
 @pytest.fixture(scope="module")
 def deployment():
     """The Ray cluster and every actor see a private TMPDIR, so "nothing left behind" is checked exactly."""
-    tmp, ray_dir = tempfile.mkdtemp(prefix="pp-ray-tmp-"), tempfile.mkdtemp(prefix="pp-ray-")  # short: Ray's socket paths
+    # short: Ray's socket paths
+    tmp, ray_dir = tempfile.mkdtemp(prefix="pp-ray-tmp-"), tempfile.mkdtemp(prefix="pp-ray-")
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     with private_tmpdir(tmp):  # the raylet, and through it every actor, inherits it
         ray.init(num_cpus=4, include_dashboard=False, namespace=ray_deploy.NAMESPACE, log_to_driver=False,
@@ -135,7 +136,8 @@ def test_restarted_etcd_actor_keeps_its_endpoint_and_data(deployment):
     _, kvs = etcdctl_get_prefix(server, "/prefixpool/default/nodes/")
     assert len(kvs) == 2  # the data dir survived: the workers' records (and leases) are still there
     answer = ask(deployment.router_url, PROMPT + " after etcd restart", "ray-etcd")
-    assert answer["choices"][0]["text"] == ask(deployment.router_url, PROMPT + " after etcd restart", "ray-etcd-cold")["choices"][0]["text"]
+    cold = ask(deployment.router_url, PROMPT + " after etcd restart", "ray-etcd-cold")
+    assert answer["choices"][0]["text"] == cold["choices"][0]["text"]
 
 
 def _alive(pid: int) -> bool:

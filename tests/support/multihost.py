@@ -102,7 +102,8 @@ def block_count(etcd: str, node_id: str, cluster: str = "default") -> int:
     return sum(1 for line in out.splitlines() if line.endswith(f"/{node_id}"))
 
 
-def generate(worker_url: str, prompt: str, salt: str, fetch: dict | None = None, max_tokens: int = 8) -> tuple[list[int], dict]:
+def generate(worker_url: str, prompt: str, salt: str, fetch: dict | None = None,
+             max_tokens: int = 8) -> tuple[list[int], dict]:
     """POST a worker's /generate, built with the wire contract's own types (what the router sends)."""
     body = GenerateRequest(request_id=f"t-{time.monotonic_ns()}", tokens=ByteTokenizer().encode(prompt),
                            sampling=SamplingParams(max_tokens=max_tokens), cache_salt=salt,

@@ -4,8 +4,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from prefixpool.contract.worker_api import (MSGPACK, GenerateRequest, SamplingError, SamplingParams, decode_request, encode,
-                                        encode_request)
+from prefixpool.contract.worker_api import (MSGPACK, GenerateRequest, SamplingError, SamplingParams, decode_request,
+                                            encode, encode_request)
 from prefixpool.router.vllm_client import VllmClient
 from prefixpool.store.keys import TOKEN_DTYPE, Namespace, chain
 

@@ -81,7 +81,8 @@ def imports_of(path: Path) -> set[str]:
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module)
-            found |= {f"{node.module}.{alias.name}" for alias in node.names if module_path(f"{node.module}.{alias.name}")}
+            found |= {f"{node.module}.{alias.name}" for alias in node.names
+                      if module_path(f"{node.module}.{alias.name}")}
     return found
 
 

@@ -157,7 +157,8 @@ def test_hit_counts_age_when_the_table_is_full():
 
 
 @settings(max_examples=50, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["pin", "unpin", "req", "tick", "soft"]), st.integers(0, 5)), max_size=30))
+@given(ops=st.lists(st.tuples(st.sampled_from(["pin", "unpin", "req", "tick", "soft"]), st.integers(0, 5)),
+                    max_size=30))
 def test_pins_and_requests_keep_the_pool_consistent(ops):
     clock = Clock()
     pool = BlockPool(6, clock=clock)

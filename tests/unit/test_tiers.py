@@ -100,7 +100,8 @@ def test_clear_forgets_every_unheld_block_in_every_tier_and_keeps_the_held_ones(
     cleared = tiered.clear()
     everything = {key for keys in prompts for key in keys} | {chain([99], NS)[0]}
     assert set(cleared) == everything - {prompts[3][0]}
-    assert {key: tiered.tier_of(key) for key in everything} == {key: None for key in everything} | {prompts[3][0]: "device"}
+    assert ({key: tiered.tier_of(key) for key in everything}
+            == {key: None for key in everything} | {prompts[3][0]: "device"})
     assert sorted(tiered.take_changes().keys()) == sorted(cleared)  # journalled, for the publisher
     assert list(tmp_path.glob("*.blk")) == []  # the queued write landed first, then went with the rest
     for keys in prompts[:3]:

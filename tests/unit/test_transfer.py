@@ -79,7 +79,8 @@ def url(transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("count,shape", [(1, {}), (7, {"head_dim": 1}), (33, {"num_layers": 3}), (5, {"block_size": 64})])
+@pytest.mark.parametrize("count,shape",
+                         [(1, {}), (7, {"head_dim": 1}), (33, {"num_layers": 3}), (5, {"block_size": 64})])
 def test_bytes_received_equal_bytes_sent(transport, count, shape):
     async def run():
         holder_pool, holder_arena = node(count + 3, **shape)
@@ -122,7 +123,8 @@ def test_concurrent_fetches_from_several_peers_reuse_connections(transport):
         fetcher = Fetcher()
         try:
             for _ in range(2):
-                fetches = [fetcher.fetch(s.url, keys, pool, arena, deadline_s=10) for s, (keys, _) in zip(servers, expected)]
+                fetches = [fetcher.fetch(s.url, keys, pool, arena, deadline_s=10)
+                           for s, (keys, _) in zip(servers, expected)]
                 fetches += [fetcher.fetch(s.url, shared, pool, arena, deadline_s=10) for s in servers[:2]]
                 results = await asyncio.gather(*fetches)
                 for result, (keys, blocks) in zip(results, expected):

@@ -20,7 +20,7 @@ from prefixpool.meta.layout import Layout
 from prefixpool.deploy.vllm_server import VllmConfig
 from tests.conftest import etcdctl_get_prefix
 from tests.ray.test_ray import _alive as running, wait_for, workers_seen
-from tests.vllm.test_vllm import BLOCK, MODEL, SHARED, model_dir  # noqa: F401 (a fixture)
+from tests.vllm.test_vllm import BLOCK, MODEL, SHARED
 from tests.vllm.test_vllm_temp import alive
 
 pytestmark = pytest.mark.timeout(1200)  # vLLM starts in minutes on 2 loaded cores; nothing here is timed
@@ -39,7 +39,7 @@ def node_blocks(etcd_endpoint: str, node_id: str) -> int:
     return sum(1 for raw in kvs if (entry := layout.parse_block(raw)) is not None and entry.node_id == node_id)
 
 
-def test_a_vllm_actor_serves_through_the_router_and_ray_down_leaves_nothing(model_dir):  # noqa: F811
+def test_a_vllm_actor_serves_through_the_router_and_ray_down_leaves_nothing(model_dir):
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray.init(num_cpus=4, include_dashboard=False, namespace=ray_deploy.NAMESPACE, log_to_driver=False)
     removed: list[str] = []
@@ -55,7 +55,8 @@ def test_a_vllm_actor_serves_through_the_router_and_ray_down_leaves_nothing(mode
             actor.vllm_temp_path.remote()])
         answer = complete(deployed.router_url, SHARED + "Ray?")
         direct = complete(vllm_url, SHARED + "Ray?", salt="cold")  # the same server, recomputing every block
-        assert answer.choices[0].text == direct.choices[0].text and answer.usage.prompt_tokens == direct.usage.prompt_tokens
+        assert (answer.choices[0].text == direct.choices[0].text
+                and answer.usage.prompt_tokens == direct.usage.prompt_tokens)
         wait_for(lambda: node_blocks(deployed.etcd_endpoints, "vllm-0") >= len(SHARED) // 4 // BLOCK // 2)
         again = complete(deployed.router_url, SHARED + "Ray again?")
         assert again.usage.prompt_tokens_details.cached_tokens > 0
@@ -70,7 +71,7 @@ def test_a_vllm_actor_serves_through_the_router_and_ray_down_leaves_nothing(mode
     assert not Path(tempfile.gettempdir(), f"prefixpool-ray-etcd-{etcd_port}").exists()
 
 
-def test_a_vllm_actor_with_the_connector_saves_into_its_pool_and_ray_down_takes_it(model_dir):  # noqa: F811
+def test_a_vllm_actor_with_the_connector_saves_into_its_pool_and_ray_down_takes_it(model_dir):
     """`ray up --vllm-connector`: vLLM loads PrefixPoolConnector inside the actor; its pool registers and saves."""
     ray.init(num_cpus=4, include_dashboard=False, namespace=ray_deploy.NAMESPACE, log_to_driver=False)
     try:

@@ -26,7 +26,7 @@ from prefixpool.meta.membership import MembershipConfig, NodeRecord
 from prefixpool.vllm_sidecar.event_stream import EventStream, StreamConfig
 from prefixpool.vllm_sidecar.events import BlockRemoved, BlockStored, AllBlocksCleared, decode_batch
 from prefixpool.vllm_sidecar.node import HealthConfig, VllmNode
-from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, TOPIC, VllmConfig
+from prefixpool.deploy.vllm_server import TOPIC, VllmConfig
 from prefixpool.model.tokenizer import load_tokenizer
 from prefixpool.store.keys import Namespace, chain
 from tests.conftest import etcdctl_get_prefix
@@ -85,14 +85,6 @@ class EventLog:
 
     def num_removed(self) -> int:
         return sum(len(e.block_hashes) for _, b in self.batches for e in b.events if isinstance(e, BlockRemoved))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([str(DEFAULT_PYTHON), "-m", "prefixpool.testing.tiny_llama", str(out)], check=True,
-                   capture_output=True, timeout=300)
-    return out
 
 
 @pytest.fixture(scope="module")

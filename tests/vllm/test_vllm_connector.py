@@ -30,7 +30,7 @@ from prefixpool.store.keys import Namespace, chain
 from prefixpool.store.tier_names import DEVICE
 from tests.conftest import etcdctl_get_prefix
 from tests.cluster.test_e2e import post
-from tests.vllm.test_vllm import BLOCK, MODEL, cached, client_for, complete, model_dir, wait_for_route  # noqa: F401
+from tests.vllm.test_vllm import BLOCK, MODEL, cached, client_for, complete, wait_for_route
 
 pytestmark = pytest.mark.timeout(1200)
 NAMESPACE = Namespace(model=MODEL, dtype="float32", block_size=BLOCK)

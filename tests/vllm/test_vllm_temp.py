@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.test_vllm import model_dir  # noqa: F401 (a fixture)
-
 pytestmark = pytest.mark.timeout(1200)  # vLLM starts in minutes on 2 loaded cores; nothing here is timed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,7 +67,7 @@ def alive(group: int) -> bool:
     return False
 
 
-def test_a_stopped_or_orphaned_vllm_server_leaves_nothing_in_the_temp_root(model_dir, tmp_path):  # noqa: F811
+def test_a_stopped_or_orphaned_vllm_server_leaves_nothing_in_the_temp_root(model_dir, tmp_path):
     owners = {name: start_owner(model_dir, tmp_path, name) for name in ("stopped", "killed")}
     try:
         pids = {name: int(owner.stdout.readline()) for name, (owner, _) in owners.items()}  # vLLM is healthy
