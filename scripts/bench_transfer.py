@@ -43,37 +43,16 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("UCX_PROTO_ENABLE", "n")
 os.environ.setdefault("UCXPY_PROGRESS_MODE", "polling")
 os.environ.setdefault("GLOG_minloglevel", "2")
-import torch  # noqa: E402
 import xxhash  # noqa: E402
 
-from prefixpool.store.arena import ArenaShape, KVArena  # noqa: E402
-from prefixpool.store.keys import Namespace, chain_ids  # noqa: E402
+from prefixpool.store.arena import KVArena  # noqa: E402
 from prefixpool.store.node_blocks import NodeBlocks  # noqa: E402
 from prefixpool.store.pool import BlockPool  # noqa: E402
+from prefixpool.testing.bench_arenas import BLOCK_SIZES, arena_for, filled_arena, keys_for, raw_view  # noqa: E402
 from prefixpool.testing.native_logs import send_native_logs_to  # noqa: E402
 
-BLOCK_SIZES = {"256 KiB": 256 << 10, "2 MiB": 2 << 20, "16 MiB": 16 << 20}
 MOVERS = ("raw socket", "raw + xxh3", "prefixpool TCP", "TCP rehashing", "prefixpool UCX", "Mooncake TCP")
 CHECKSUM = struct.Struct("<Q")
-
-
-def arena_for(block_bytes: int, arena_bytes: int) -> KVArena:
-    """float32 blocks of 16 tokens x 128 dims; layers make up the block size."""
-    layers = block_bytes // (4 * 2 * 16 * 128)
-    return KVArena(ArenaShape(arena_bytes // block_bytes, layers, 16, 1, 128))
-
-
-def raw_view(arena: KVArena) -> memoryview:
-    return memoryview(arena.tensor.view(-1).view(torch.uint8).numpy()).cast("B")
-
-
-def filled_arena(block_bytes: int, arena_bytes: int) -> KVArena:
-    arena = arena_for(block_bytes, arena_bytes)
-    generator = torch.Generator().manual_seed(block_bytes)
-    arena.tensor.view(-1).view(torch.uint8).copy_(
-        torch.randint(0, 256, (arena_bytes,), dtype=torch.uint8, generator=generator)
-    )
-    return arena
 
 
 def digest(arena: KVArena) -> int:
@@ -163,10 +142,6 @@ def mooncake_target(conn, place: Placement, block_bytes: int, arena_bytes: int) 
     conn.send((f"{place.holder_address}:{engine.get_rpc_port()}", address))
     conn.recv()
     conn.send(digest(arena))
-
-
-def keys_for(count: int):
-    return chain_ids(range(count), Namespace("bench"))
 
 
 # --- receivers (this process); each returns (seconds for `passes`, verified) ---

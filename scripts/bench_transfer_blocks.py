@@ -22,12 +22,12 @@ import time
 
 import xxhash
 
-from scripts.bench_transfer import BLOCK_SIZES, arena_for, filled_arena, keys_for, raw_view
 from prefixpool.store.node_blocks import NodeBlocks
 from prefixpool.store.pool import BlockPool
 from prefixpool.store.record import header_for
 from prefixpool.transfer.sink import BlockSink
 from prefixpool.transfer.source import BlockSource
+from prefixpool.testing.bench_arenas import BLOCK_SIZES, arena_for, filled_arena, keys_for, raw_view
 from prefixpool.transfer.tcp import _record_buffers, _Records
 
 

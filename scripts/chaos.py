@@ -2,7 +2,7 @@
 
     python scripts/chaos.py --requests 300 --rounds 2      (long run; prints a markdown table)
 
-Phases (each under load from scripts/chaos_client.steady_load):
+Phases (each under load from prefixpool.testing.chaos_client.steady_load):
     baseline          no fault
     sigkill           SIGKILL a worker, start it again
     sigstop           SIGSTOP a worker past its lease TTL; while gone no route names it;
