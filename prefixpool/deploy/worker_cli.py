@@ -1,10 +1,10 @@
 """`prefixpool worker`: build one worker from its settings and serve until SIGTERM.
 
-    model + NodeBlocks(pool, tiers, pins) + arena -> Engine -> Worker
-    tiers: host / SSD under the pool only when their size is > 0 (else NoTiers)
-    transfer server (serves any tier)       etcd: Membership (lease) + Publisher
-    SSD tier dir from an earlier run: scanned and re-published once registered
-    HTTP API (worker_http)                  READY <http url> once all of it is up
+    model + arena + node_blocks(tier sizes, pins) -> Engine
+    NodeCore.open: transfer server (serves any tier) + etcd Membership (lease) + Publisher
+    Worker(engine, core.exchange)           HTTP API (worker/http_api.py)
+    core.join(): SSD tier dir from an earlier run scanned, node and blocks registered
+    READY <http url> once all of it is up
 
 Stopping (SIGTERM or SIGINT) drains (prefixpool/worker/drain.py): stop taking
 requests, revoke the lease (the node's blocks leave every router's index at
@@ -27,33 +27,24 @@ from aiohttp import web
 
 from prefixpool.deploy.addresses import WILDCARDS, AddressError, advertise_host, bind_host, interface_of
 from prefixpool.engine.scheduler import Engine
-from prefixpool.meta.etcd_client import EtcdClient
-from prefixpool.meta.layout import Layout
 from prefixpool.meta.load_report import Load, report_load
-from prefixpool.meta.membership import Membership, MembershipConfig, NodeRecord
+from prefixpool.meta.membership import NodeRecord
 from prefixpool.model.config import arena_shape_for
 from prefixpool.engine.torch_dtype import resolve_device, torch_dtype
 from prefixpool.engine.checkpoint import build_model
 from prefixpool.model.source import MODEL_ERRORS, cache_namespace, tokenizer_for
 from prefixpool.deploy.processes import announce_ready, start_logging
-from prefixpool.meta.publisher import Publisher
 from prefixpool.deploy.settings import add_flags, from_args
 from prefixpool.worker.service import Worker, WorkerPeriods
 from prefixpool.worker.drain import drain_worker
 from prefixpool.worker.http_api import build_app
 from prefixpool.deploy.worker_settings import WorkerSettings
 from prefixpool.contract.drain import Drain
+from prefixpool.node.blocks import TierSizes, node_blocks
+from prefixpool.node.core import NodeConfig, NodeCore
+from prefixpool.node.faults import Faults
 from prefixpool.store.arena import KVArena
-from prefixpool.store.disk_tier import DiskTier
-from prefixpool.store.host_tier import HostTier
-from prefixpool.store.node_blocks import NodeBlocks
 from prefixpool.store.pins import PrefixPins
-from prefixpool.store.pool import BlockPool
-from prefixpool.store.tiers import TierChain
-from prefixpool.transfer.faults import source_for
-from prefixpool.transfer.address import parse_url
-from prefixpool.transfer.fetcher import Fetcher
-from prefixpool.transfer.server import serve as serve_transfer
 
 log = logging.getLogger(__name__)
 
@@ -88,70 +79,52 @@ def build_engine(settings: WorkerSettings) -> Engine:
     arena = KVArena(arena_shape_for(model.config, settings.num_blocks, settings.block_size),
                     torch_dtype(settings.dtype), device)
     namespace = cache_namespace(model.config, settings.dtype, settings.block_size)
-    blocks = NodeBlocks(BlockPool(settings.num_blocks, settings.min_residency_s), build_tiers(settings, arena),
-                        PrefixPins(settings.soft_pin_blocks, settings.soft_pin_ttl_s))
+    sizes = TierSizes(settings.host_tier_blocks, settings.disk_tier_blocks, settings.disk_tier_dir,
+                      settings.disk_queue_blocks)
+    blocks = node_blocks(arena, sizes, settings.min_residency_s,
+                         PrefixPins(settings.soft_pin_blocks, settings.soft_pin_ttl_s))
     return Engine(model, blocks, arena, namespace, max_batch_size=settings.max_batch_size,
                   chunk_size=settings.chunk_size)
 
 
-def build_tiers(settings: WorkerSettings, arena: KVArena) -> TierChain | None:
-    """The tier chain under the pool; a tier of size 0 is not constructed, and with none there is no chain."""
-    if settings.host_tier_blocks <= 0 and settings.disk_tier_blocks <= 0:
-        return None
-    if settings.disk_tier_blocks > 0 and not settings.disk_tier_dir:
-        raise ValueError("--disk-tier-blocks needs --disk-tier-dir")
-    host = HostTier(settings.host_tier_blocks, arena.block_bytes) if settings.host_tier_blocks > 0 else None
-    disk = (DiskTier(settings.disk_tier_dir, arena.block_bytes, settings.disk_tier_blocks, settings.disk_queue_blocks)
-            if settings.disk_tier_blocks > 0 else None)
-    return TierChain(arena, host, disk)
+def node_config(settings: WorkerSettings, host: str, advertise: str) -> NodeConfig:
+    return NodeConfig(etcd_endpoints=settings.etcd_endpoints, cluster=settings.cluster,
+                      transfer_url=f"{settings.transfer}://{host}:{settings.transfer_port}", advertise_host=advertise,
+                      token=settings.token, lease_ttl_s=settings.lease_ttl_s,
+                      faults=Faults(corrupt_every=settings.corrupt_transfer_every))
 
 
 async def serve(settings: WorkerSettings, host: str, advertise: str) -> None:
     """Serve on `host` (bound) as `advertise` (what etcd records), both decided by prefixpool.deploy.addresses."""
     node_id = settings.node_id or f"{socket.gethostname()}-{os.getpid()}"
     engine = build_engine(settings)
-    blocks = engine.blocks
-    source = source_for(blocks, engine.arena, settings.corrupt_transfer_every)  # serves any tier
-    transfer = await serve_transfer(blocks, engine.arena, f"{settings.transfer}://{host}:{settings.transfer_port}",
-                                    settings.token, source=source)
     http_socket = _bind(host, settings.port)  # bound first: the record needs the real port
     http_url = f"http://{advertise}:{http_socket.getsockname()[1]}"
-    transfer_url = f"{settings.transfer}://{advertise}:{parse_url(transfer.url).port}"
-    record = NodeRecord(node_id, http_url, transfer_url,
-                        settings.block_size, settings.num_blocks, settings.model,
+    record = NodeRecord(node_id, http_url, "", settings.block_size, settings.num_blocks, settings.model,
                         namespace=engine.namespace.root().hex())
-    etcd = EtcdClient(settings.etcd_endpoints)
-    membership = Membership(etcd, Layout(settings.cluster), record, MembershipConfig(ttl_s=settings.lease_ttl_s))
-    publisher = Publisher(etcd, membership, blocks.entries)
-    fetcher = Fetcher(settings.token)
-    worker = Worker(engine, engine.namespace, publisher, fetcher, settings.fetch_timeout_s,
+    core = await NodeCore.open(engine.blocks, engine.arena, node_config(settings, host, advertise), record)
+    worker = Worker(engine, core.exchange, settings.fetch_timeout_s,
                     WorkerPeriods(soft_refresh_s=settings.soft_pin_refresh_s),
                     fetch_while_queued=settings.fetch_while_queued)
-    found = blocks.scan()  # before registering: registration publishes blocks.entries(), these included
-    if found:
-        log.info("worker %s: %d valid SSD blocks from an earlier run", node_id, len(found))
     gate = Drain()
-    app = build_app(worker, settings.token, tokenizer_for(settings.model_path), source, gate)
+    app = build_app(worker, settings.token, tokenizer_for(settings.model_path), core.source, gate)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.SockSite(runner, http_socket).start()
-    await publisher.start()  # before membership: registering hands it the lease
-    await membership.start()
+    await core.join()  # HTTP first: a router may call as soon as the record is in etcd
     worker.start()
-    load_task = asyncio.create_task(report_load(lambda: _sample_load(worker), membership))
+    load_task = asyncio.create_task(report_load(lambda: _sample_load(worker), core.membership))
     announce_ready(http_url)
-    log.info("worker %s serving %s (transfer %s)", node_id, http_url, record.transfer_url)
+    log.info("worker %s serving %s (transfer %s)", node_id, http_url, core.record.transfer_url)
     await _wait_for_signal()
     load_task.cancel()
     log.info("worker %s draining (deadline %gs)", node_id, settings.drain_deadline_s)
-    report = await drain_worker(gate, publisher, membership, source, settings.drain_deadline_s)
+    report = await drain_worker(gate, core, settings.drain_deadline_s)
     log.info("worker %s drained in %.2fs: %d requests in flight at SIGTERM, %d cut by the deadline",
              node_id, report.seconds, report.num_admitted, report.num_cut)
     await worker.stop()
     await runner.cleanup()
-    await transfer.close()
-    await fetcher.close()
-    await etcd.close()
+    await core.close()
 
 
 def _bind(host: str, port: int) -> socket.socket:

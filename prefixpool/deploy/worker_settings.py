@@ -33,8 +33,8 @@ class WorkerSettings(CommonSettings):
     cpu_threads: int = setting(1, "torch CPU threads (0 keeps torch's default); "
                                "small kernels on shared cores run best on 1")
     token: str = setting("", "shared token required on the internal API and transfer port")
-    corrupt_transfer_every: int = setting(0, "fault injection (chaos tests): flip a byte in every Nth block sent to "
-                                          "peers; 0 is off")
+    corrupt_transfer_every: int = setting(0, "fault injection (chaos tests): flip a byte in blocks N, 2N, ... of "
+                                          "every fetch served to peers; 0 is off")
     host_tier_blocks: int = setting(0, "blocks in the host-memory tier under the device pool (0: no host tier)")
     disk_tier_blocks: int = setting(0, "blocks in the local SSD tier (0: no SSD tier)")
     disk_tier_dir: str = setting("", "directory of the SSD tier's block files (kept across restarts)")

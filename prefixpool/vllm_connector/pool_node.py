@@ -16,17 +16,20 @@
     etcd: record "<node>.pool" (kind vllm-pool, its transfer URL) under a lease of its own,
           every block under that lease, in the tier that holds it (first tier = host-memory arena)
 
-The lease is the pool's, not the sidecar's: the pool lives in the vLLM
-process and its blocks die with it, while the sidecar's lease follows vLLM's
-health and its prefix cache. Every method runs on one event loop (LoopThread):
-the transfer server serves peers between vLLM's calls. Only a layer-wise load
-reads the arena from another thread (the worker's copy thread), and only blocks
-a Prepared hold pins. Knows nothing of vLLM's scheduler or of the router.
+The transfer server, the lease, publishing, fetching and SSD collection are the
+node core's (prefixpool/node/core.py), the same our worker runs on; this module
+adds what is the pool's own: copying between vLLM's blocks and the arena, and
+write-through to the SSD. The lease is the pool's, not the sidecar's: the pool
+lives in the vLLM process and its blocks die with it, while the sidecar's lease
+follows vLLM's health and its prefix cache. Every method runs on one event loop
+(LoopThread): the transfer server serves peers between vLLM's calls. Only a
+layer-wise load reads the arena from another thread (the worker's copy thread),
+and only blocks a Prepared hold pins. Knows nothing of vLLM's scheduler or of
+the router.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,25 +37,18 @@ from typing import Callable, Sequence
 
 import torch
 
-from prefixpool.meta.etcd_client import EtcdClient
-from prefixpool.meta.layout import Layout
-from prefixpool.meta.membership import Membership, MembershipConfig, NodeRecord
-from prefixpool.meta.publisher import Publisher, publish_placement
+from prefixpool.meta.membership import NodeRecord
+from prefixpool.node.blocks import TierSizes, node_blocks
+from prefixpool.node.core import NodeConfig, NodeCore
+from prefixpool.node.exchange import BlockExchange
+from prefixpool.node.faults import Faults
+from prefixpool.store.arena import KVArena
+from prefixpool.store.keys import BlockKey, Namespace
+from prefixpool.store.node_blocks import Hold
 from prefixpool.vllm_connector.config import POOL_KIND, ConnectorConfig
 from prefixpool.vllm_connector.paged_kv import PagedKV
-from prefixpool.vllm_connector.pool_faults import pool_source
-from prefixpool.store.arena import KVArena
-from prefixpool.store.disk_tier import DiskTier
-from prefixpool.store.keys import BlockKey, Namespace
-from prefixpool.store.node_blocks import Hold, NodeBlocks
-from prefixpool.store.pool import BlockPool
-from prefixpool.store.tiers import TierChain
-from prefixpool.transfer.errors import TransferError
-from prefixpool.transfer.fetcher import Fetcher
-from prefixpool.transfer.server import Server, serve
 
 log = logging.getLogger(__name__)
-COLLECT_S = 0.2  # SSD writes finished -> published
 
 
 @dataclass(frozen=True)
@@ -80,58 +76,50 @@ class Prepared:
         return Loaded(self.num_blocks, self.num_fetched, self.num_bytes)
 
 
-def _disk(config: ConnectorConfig, arena: KVArena) -> DiskTier | None:
-    if config.disk_tier_blocks <= 0:
-        return None
-    if not config.disk_tier_dir:
-        raise ValueError("disk_tier_blocks needs disk_tier_dir")
-    return DiskTier(Path(config.disk_tier_dir) / config.node_id, arena.block_bytes, config.disk_tier_blocks)
+def _tier_sizes(config: ConnectorConfig) -> TierSizes:
+    """The SSD tier only (the arena is host memory already), in <disk_tier_dir>/<node_id>."""
+    disk_dir = str(Path(config.disk_tier_dir) / config.node_id) if config.disk_tier_dir else ""
+    return TierSizes(disk_blocks=config.disk_tier_blocks, disk_dir=disk_dir)
+
+
+def _node_config(config: ConnectorConfig) -> NodeConfig:
+    return NodeConfig(etcd_endpoints=config.etcd_endpoints, cluster=config.cluster,
+                      transfer_url=f"{config.transfer}://{config.host}:{config.transfer_port}",
+                      advertise_host=config.advertise_host, token=config.token, lease_ttl_s=config.lease_ttl_s,
+                      faults=Faults(fault_file=config.fault_file))
 
 
 class PoolNode:
     def __init__(self, config: ConnectorConfig, paged: PagedKV, namespace: Namespace) -> None:
         self.config, self.paged, self.namespace = config, paged, namespace
         self.arena = KVArena(paged.arena_shape(config.pool_blocks), paged.dtype, "cpu")
-        disk = _disk(config, self.arena)
-        tiers = TierChain(self.arena, disk=disk) if disk is not None else None  # not `if disk`: an empty tier is falsy
-        self.blocks = NodeBlocks(BlockPool(config.pool_blocks), tiers)
-        self.write_through = disk if config.ssd_write_through else None
-        self.source = pool_source(self.blocks, self.arena, config.fault_file)
-        self.fetcher = Fetcher(config.token)
-        self.server: Server | None = None
-        self.etcd: EtcdClient | None = None
-        self.membership: Membership | None = None
-        self.publisher: Publisher | None = None
-        self._collect: asyncio.Task | None = None
+        self.blocks = node_blocks(self.arena, _tier_sizes(config))
+        self.write_through = self.blocks.tiers.disk if config.ssd_write_through else None
+        self.core: NodeCore | None = None
+
+    @property
+    def started(self) -> NodeCore:
+        assert self.core is not None, "start() first"
+        return self.core
+
+    @property
+    def exchange(self) -> BlockExchange:
+        return self.started.exchange
 
     async def start(self) -> None:
-        config = self.config
-        self.server = await serve(self.blocks, self.arena, f"{config.transfer}://{config.host}:{config.transfer_port}",
-                                  config.token, source=self.source)
-        port = self.server.url.rsplit(":", 1)[1]
-        transfer_url = f"{config.transfer}://{config.advertise_host or config.host}:{port}"
-        record = NodeRecord(config.pool_node_id(), "", transfer_url, self.namespace.block_size, config.pool_blocks,
-                            self.namespace.model, kind=POOL_KIND, namespace=self.namespace.root().hex())
-        self.etcd = EtcdClient(config.etcd_endpoints)
-        self.membership = Membership(self.etcd, Layout(config.cluster), record, MembershipConfig(ttl_s=config.lease_ttl_s))
-        self.publisher = Publisher(self.etcd, self.membership, self.blocks.entries)
-        found = self.blocks.scan()  # a warm SSD tier from an earlier run: published on registering
-        await self.publisher.start()
-        await self.membership.start()
-        self._collect = asyncio.create_task(self._collect_ssd())
-        log.info("prefixpool pool %s serving %s (%d blocks of %d bytes, %d from SSD)", record.node_id,
-                 transfer_url, config.pool_blocks, self.arena.block_bytes, len(found))
+        namespace = self.namespace
+        record = NodeRecord(self.config.pool_node_id(), "", "", namespace.block_size, self.config.pool_blocks,
+                            namespace.model, kind=POOL_KIND, namespace=namespace.root().hex())
+        self.core = await NodeCore.open(self.blocks, self.arena, _node_config(self.config), record)
+        await self.core.join()  # a warm SSD tier from an earlier run is published on registering
+        log.info("prefixpool pool %s serving %s (%d blocks of %d bytes)", record.node_id,
+                 self.core.record.transfer_url, self.config.pool_blocks, self.arena.block_bytes)
 
     async def stop(self) -> None:
-        if self._collect is not None:
-            self._collect.cancel()
-        if self.publisher is not None:
-            await self.publisher.stop()
-            await self.membership.stop()  # revokes the lease: the pool's blocks leave etcd now
-            await self.server.close()
-            await self.etcd.close()
-        await self.fetcher.close()
-        self.blocks.close()
+        if self.core is not None:
+            await self.core.close()  # revokes the lease: the pool's blocks leave etcd now
+        else:
+            self.blocks.close()
 
     async def save(self, keys: Sequence[BlockKey], vllm_ids: Sequence[int]) -> int:
         """Copy the blocks of `keys` this node does not hold yet out of vLLM; returns how many."""
@@ -148,7 +136,7 @@ class PoolNode:
                 self._write_through(stored)
         finally:
             self.blocks.release(hold)
-        self._publish([*stored, *evicted])
+        self.exchange.publish([*stored, *evicted])
         return len(stored)
 
     def _write_through(self, keys: Sequence[BlockKey]) -> None:
@@ -165,19 +153,19 @@ class PoolNode:
         if held < len(keys) and peer_url:
             num_fetched, num_bytes = await self._fetch(peer_url, keys[held:])
         hold = self.blocks.acquire(keys)  # what is here now: local, fetched, and what a failed fetch committed
-        self._publish(self.blocks.take_changes().keys())
+        self.exchange.publish_changes()
         return Prepared(hold, num_fetched, num_bytes)
 
     async def clear(self) -> int:
         """Forget every unheld block, in memory and on SSD, and delete them from etcd; returns how many."""
         keys = self.blocks.clear()
-        self._publish(keys)
-        await self.publisher.flush()
+        self.exchange.publish(keys)
+        await self.started.publisher.flush()
         return len(keys)
 
     def release(self, prepared: Prepared) -> None:
         self.blocks.release(prepared.hold)
-        self._publish(self.blocks.take_changes().keys())
+        self.exchange.publish_changes()
 
     async def load(self, keys: Sequence[BlockKey], first: int, vllm_ids: Sequence[int], peer_url: str,
                    may_copy: Callable[[], bool]) -> Loaded:  # fmt: skip
@@ -193,27 +181,7 @@ class PoolNode:
 
     async def _fetch(self, peer_url: str, keys: Sequence[BlockKey]) -> tuple[int, int]:
         """(blocks, bytes) committed from the peer: a prefix of `keys`, cached (unheld) in this pool."""
-        try:
-            result = await self.fetcher.fetch(peer_url, keys, self.blocks, self.arena,
-                                              deadline_s=self.config.fetch_timeout_s)
-        except TransferError as err:
-            log.warning("fetch of %d blocks from %s failed (%s): %d arrived intact", len(keys), peer_url,
-                        err, len(err.stored))
-            self._publish([*err.stored, *err.evicted])
-            return len(err.stored), len(err.stored) * self.arena.block_bytes
-        num_blocks = result.num_blocks
-        if num_blocks < len(keys):
-            log.warning("fetch from %s: %d of %d blocks arrived intact", peer_url, num_blocks, len(keys))
-        self.blocks.release(result.hold)  # cached, unheld: load() acquires the whole prefix at once
-        self._publish([*result.keys, *result.evicted])
-        return num_blocks, result.num_bytes
-
-    def _publish(self, keys: Sequence[BlockKey]) -> None:
-        if keys:
-            publish_placement(self.publisher, self.blocks.placement(keys))
-
-    async def _collect_ssd(self) -> None:
-        while True:
-            await asyncio.sleep(COLLECT_S)
-            self.blocks.collect()
-            self._publish(self.blocks.take_changes().keys())
+        fetched = await self.exchange.fetch(peer_url, keys, self.config.fetch_timeout_s)
+        if fetched.hold is not None:
+            self.blocks.release(fetched.hold)  # cached, unheld: prepare() acquires the whole prefix at once
+        return fetched.num_blocks, fetched.num_bytes

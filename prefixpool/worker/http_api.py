@@ -26,7 +26,7 @@ from prefixpool.contract.drain import Drain, DrainDeadline, Draining
 from prefixpool.model.tokenizer import ByteTokenizer, Tokenizer
 from prefixpool.contract.worker_api import (AUTH_HEADER, Failed, PinReply, PinRequest, RequestLimits, RequestRefused,
                                             check_token_ids, decode_request, encode, encode_event)
-from prefixpool.transfer.faults import num_corrupted
+from prefixpool.node.faults import num_corrupted
 from prefixpool.transfer.source import BlockSource
 
 log = logging.getLogger(__name__)

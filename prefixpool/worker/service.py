@@ -1,28 +1,23 @@
-"""The worker service: one engine, the node's blocks and arena, a transfer server and an etcd presence.
+"""The worker service: one engine over the node's blocks, fed by the node core's exchange.
 
     generate(request)
       keys = chain(tokens)                       hashed at the edge, salted per tenant
-      fetch plan? -> transfer.fetch(peer, keys[local:end])   (a hint: the peer re-checks;
+      fetch plan? -> exchange.fetch(peer, keys[local:end])   (a hint: the peer re-checks;
                      failures cost a recompute, never an error). With fetch_while_queued the
                      request is queued first, held, and released when the fetch ends, so the
                      transfer overlaps the wait behind other requests instead of preceding it
       blocks.promote(keys)  the run found in host memory or on the SSD is copied up
       engine.submit(tokens, keys) -> events stream back; every key whose tier changed
-      is published, in its fastest tier, by the publisher, off the request path
+      is published (exchange.publish: each key in its fastest tier), off the request path
 
-Publishing is by key, not by event: a node advertises each block once, in
-the fastest tier holding it (etcd's `/blocks/<key>/<node>` has one value), so
-for every key touched since the last publish the worker asks where it is now
-(`blocks.placement`) and puts that tier, or deletes the key when no tier holds
-it. What a request fetched or promoted is held (a Hold of the node's blocks)
-until the request ends.
-
-Admin pins (pin/unpin) hold a prefix's device blocks for a TTL; with a
-soft-pin budget the most hit prefixes are pinned by themselves.
+What a request fetched or promoted is held (a Hold of the node's blocks) until
+the request ends. Admin pins (pin/unpin) hold a prefix's device blocks for a
+TTL; with a soft-pin budget the most hit prefixes are pinned by themselves.
 
 The engine's forward pass runs in a thread; every block operation (engine
 schedule/finish, transfer serving and fetching) stays on the event loop
-thread. Knows nothing of HTTP: worker_http.py serves it.
+thread. The transfer server, the etcd lease and SSD collection are the node
+core's (prefixpool/node/core.py). Knows nothing of HTTP: http_api.py serves it.
 """
 
 from __future__ import annotations
@@ -31,24 +26,17 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator
 
 from prefixpool.engine.batch import Batch, TokenEvent
 from prefixpool.engine.scheduler import Engine
-from prefixpool.meta.publisher import publish_placement
 from prefixpool.contract.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage, WorkerLoad
-from prefixpool.store.keys import BlockKey, Namespace, chain
+from prefixpool.node.exchange import BlockExchange
+from prefixpool.store.keys import BlockKey, chain
 from prefixpool.store.node_blocks import Hold
-from prefixpool.store.pool import PoolExhausted
 from prefixpool.store.tier_names import DEVICE
-from prefixpool.transfer.errors import TransferError
-from prefixpool.transfer.fetcher import Fetcher
 
 log = logging.getLogger(__name__)
-
-
-class BlockPublisher(Protocol):
-    def publish(self, stored: list[BlockKey] = ..., removed: list[BlockKey] = ..., tier: str = ...) -> None: ...
 
 
 class PinRefused(ValueError):
@@ -57,7 +45,6 @@ class PinRefused(ValueError):
 
 @dataclass(frozen=True)
 class WorkerPeriods:
-    collect_s: float = 0.2  # SSD writes finished -> published
     soft_refresh_s: float = 10.0
 
 
@@ -72,15 +59,13 @@ class _Stream:
 
 
 class Worker:
-    def __init__(self, engine: Engine, namespace: Namespace, publisher: BlockPublisher, fetcher: Fetcher,
-                 fetch_timeout_s: float = 5.0, periods: WorkerPeriods = WorkerPeriods(),
-                 fetch_while_queued: bool = True) -> None:
+    def __init__(self, engine: Engine, exchange: BlockExchange, fetch_timeout_s: float = 5.0,
+                 periods: WorkerPeriods = WorkerPeriods(), fetch_while_queued: bool = True) -> None:
+        assert exchange.blocks is engine.blocks, "the exchange must move the engine's own blocks"
         self.engine = engine
         self.blocks = engine.blocks
-        self.arena = engine.arena
-        self.namespace = namespace
-        self.publisher = publisher
-        self.fetcher = fetcher
+        self.namespace = engine.namespace
+        self.exchange = exchange
         self.fetch_timeout_s = fetch_timeout_s
         self.fetch_while_queued = fetch_while_queued
         self._streams: dict[int, _Stream] = {}
@@ -95,7 +80,6 @@ class Worker:
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run(), name="engine-loop")
-        self._tasks = [asyncio.create_task(self._collect(), name="tier-collect")]
         if self.blocks.pins.soft_budget_blocks:
             self._tasks.append(asyncio.create_task(self._refresh_soft_pins(), name="soft-pins"))
 
@@ -105,7 +89,6 @@ class Worker:
             await asyncio.gather(task, return_exceptions=True)
         for request_id in list(self._streams):
             self._release(request_id)
-        self.blocks.close()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -148,20 +131,12 @@ class Worker:
         end = min(plan.end, len(keys))
         if end <= local:
             return
-        try:
-            result = await self.fetcher.fetch(plan.transfer_url, keys[local:end], self.blocks, self.arena,
-                                              deadline_s=self.fetch_timeout_s)
-        except TransferError as err:
-            log.warning("fetch from %s failed (%s); recomputing", plan.peer, err)
-            self._publish([*(err.stored or ()), *(err.evicted or ())])
+        fetched = await self.exchange.fetch(plan.transfer_url, keys[local:end], self.fetch_timeout_s)
+        if fetched.hold is None:  # failed: what arrived is cached, unheld; the rest is recomputed
             return
-        except PoolExhausted as err:  # free blocks are within their minimum residency
-            log.info("no room to fetch from %s (%s); recomputing", plan.peer, err)
-            return
-        self._publish([*result.keys, *result.evicted])
-        stream.holds.append(result.hold)  # held until the request ends, so admission finds them
-        stream.fetched_tokens = len(result.keys) * self.namespace.block_size
-        stream.fetched_bytes = result.num_bytes
+        stream.holds.append(fetched.hold)  # held until the request ends, so admission finds them
+        stream.fetched_tokens = fetched.num_blocks * self.namespace.block_size
+        stream.fetched_bytes = fetched.num_bytes
 
     def _promote(self, keys: list[BlockKey], stream: _Stream) -> None:
         """Copy the host/SSD run after the device prefix up, and hold it until the request ends."""
@@ -170,7 +145,7 @@ class Worker:
             return
         stream.holds.append(self.blocks.acquire(keys))
         stream.promoted_tokens = len(promoted) * self.namespace.block_size
-        self._publish_touched()
+        self.exchange.publish_changes()
 
     def _release(self, request_id: int) -> None:
         stream = self._streams.pop(request_id, None)
@@ -248,21 +223,7 @@ class Worker:
 
     def _publish_pool_events(self) -> None:
         stored, evicted = self.engine.take_pool_events()
-        self._publish([*stored, *evicted, *self.blocks.take_changes().keys()])
-
-    def _publish_touched(self) -> None:
-        self._publish(self.blocks.take_changes().keys())
-
-    def _publish(self, keys: list[BlockKey]) -> None:
-        """Each key in the fastest tier that holds it now, or deleted when none does."""
-        if keys:
-            publish_placement(self.publisher, self.blocks.placement(keys))
-
-    async def _collect(self) -> None:
-        while True:
-            await asyncio.sleep(self.periods.collect_s)
-            self.blocks.collect()
-            self._publish_touched()
+        self.exchange.publish([*stored, *evicted, *self.blocks.take_changes().keys()])
 
     async def _refresh_soft_pins(self) -> None:
         while True:
@@ -277,7 +238,7 @@ class Worker:
         if not keys:
             raise PinRefused(f"{len(tokens)} tokens make no full block of {self.namespace.block_size}")
         if self.blocks.promote(keys):
-            self._publish_touched()
+            self.exchange.publish_changes()
         name = name or keys[-1].hex()
         held = self.blocks.pin(name, keys, ttl_s)
         return {"name": name, "num_blocks": len(keys), "num_held": len(held)}

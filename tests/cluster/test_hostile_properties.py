@@ -37,6 +37,7 @@ from prefixpool.engine.checkpoint import random_model
 from prefixpool.model.config import preset
 from prefixpool.store.arena import KVArena
 from prefixpool.store.keys import chain
+from prefixpool.node.exchange import BlockExchange
 from prefixpool.store.node_blocks import NodeBlocks
 from prefixpool.store.pool import BlockPool
 from prefixpool.transfer import fetch
@@ -82,7 +83,8 @@ class LiveWorker:
     async def _start(self) -> None:
         engine = self.engine
         self.fetcher = Fetcher()
-        self.worker = Worker(engine, engine.namespace, _NoEtcd(), self.fetcher, fetch_timeout_s=2.0)
+        exchange = BlockExchange(engine.blocks, engine.arena, _NoEtcd(), self.fetcher)
+        self.worker = Worker(engine, exchange, fetch_timeout_s=2.0)
         source = BlockSource(engine.blocks, engine.arena)
         self.transfer = TcpServer(source, deadlines=DEADLINES)
         await self.transfer.start("127.0.0.1", 0)

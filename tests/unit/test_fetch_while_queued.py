@@ -13,6 +13,7 @@ import pytest
 from prefixpool.engine.checkpoint import random_model
 from prefixpool.model.config import preset
 from prefixpool.engine.sampling import SamplingParams
+from prefixpool.node.exchange import BlockExchange
 from prefixpool.worker.service import Worker
 from prefixpool.contract.worker_api import FetchPlan, GenerateRequest, Token
 from prefixpool.transfer.errors import TransferError
@@ -84,7 +85,7 @@ def test_worker_queues_a_fetching_request_before_its_transfer_ends(model):
     async def scenario():
         engine = make_engine(model, max_batch_size=4)
         fetcher = _StalledFetcher()
-        worker = Worker(engine, engine.namespace, _Published(), fetcher)
+        worker = Worker(engine, BlockExchange(engine.blocks, engine.arena, _Published(), fetcher))
         worker.start()
         try:
             prompt = tokens(24, 7)

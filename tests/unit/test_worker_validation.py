@@ -21,6 +21,7 @@ from prefixpool.contract.worker_api import (MSGPACK, Failed, FetchPlan, Generate
 from prefixpool.engine.checkpoint import random_model
 from prefixpool.model.config import preset
 from prefixpool.model.tokenizer import ByteTokenizer
+from prefixpool.node.exchange import BlockExchange
 from prefixpool.router.admin_pin import decode_pin, forward_pin
 from prefixpool.router.cost_model import CostModel
 from prefixpool.router.errors import APIError, InvalidRequest
@@ -105,7 +106,7 @@ def test_the_worker_answers_400_before_any_stream_and_the_router_client_passes_i
     async def scenario():
         engine = make_engine(random_model(preset("tiny"), seed=3), num_blocks=16)
         fetcher = Fetcher()
-        worker = Worker(engine, engine.namespace, _NoEtcd(), fetcher)
+        worker = Worker(engine, BlockExchange(engine.blocks, engine.arena, _NoEtcd(), fetcher))
         runner = web.AppRunner(build_app(worker), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()

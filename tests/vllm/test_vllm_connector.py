@@ -5,7 +5,7 @@ sidecars, our router). A computes a prompt; B, asked the same prompt, loads its
 prefix from A's pool instead of recomputing it, and the router's plan for B
 names A's pool as the peer. The oracle for every answer is B itself asked cold:
 a fresh cache_salt puts the request in a namespace nobody holds, so vLLM
-recomputes every block. A's transfer server has a fault file (pool_faults.py)
+recomputes every block. A's transfer server has a fault file (prefixpool/node/faults.py)
 that the tests switch between serving normally, corrupting blocks, pausing
 and stalling mid-fetch; a test kills A during such a stall. B loads from A and from its own SSD in
 the background (vLLM runs its other requests meanwhile) and from its own host
