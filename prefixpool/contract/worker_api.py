@@ -6,6 +6,13 @@
                             or JSON (anything else: operators, tests, curl; a list of ids)
       <- NDJSON stream: Token, Token, ..., then exactly one Done or Failed
 
+A request whose SamplingParams ask `logprobs: N` (0 <= N <= MAX_LOGPROBS) gets,
+on each Token, the sampled token's logprob and the N most likely (id, logprob)
+pairs, most likely first; other requests' Tokens carry neither (nor its bytes):
+
+    {"type": "token", "token": 42}
+    {"type": "token", "token": 42, "logprob": -0.31, "top": [[42, -0.31], [7, -1.9]]}
+
 The plan is a hint: the worker matches its own pool first and the peer
 re-checks what it still holds, so stale routing costs a recompute, not an
 error. A worker decodes with its RequestLimits, so a request it could not
@@ -38,6 +45,7 @@ Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 BlockIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]
 MAX_TTL_S = 30 * 24 * 3600.0
+MAX_LOGPROBS = 20  # top alternatives per token: vLLM's default --max-logprobs
 TRANSFER_SCHEMES = ("tcp", "ucx")
 
 
@@ -82,6 +90,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: Seed | None = None
     stop_token_ids: tuple[TokenId, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; N: the sampled token's logprob and the N most likely tokens'
 
     def __post_init__(self) -> None:  # decoding runs it too: a bad value is a DecodeError there
         if self.max_tokens < 1:
@@ -90,6 +99,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -129,8 +140,13 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
         return self.local_hit_tokens + self.fetched_tokens
 
 
-class Token(msgspec.Struct, frozen=True, tag="token"):
+class Token(msgspec.Struct, frozen=True, tag="token", omit_defaults=True):
+    """One sampled token; with logprobs when the request asked (raw: the model's log-softmax, before
+    temperature and top-p, as vLLM's default `raw_logprobs`; floored at -9999 as vLLM's answers are)."""
+
     token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the most likely tokens, most likely first
 
 
 class Done(msgspec.Struct, frozen=True, tag="done"):

@@ -4,11 +4,11 @@
       -> packed model inputs: tokens, positions, the PagedLayout of their blocks, rows to take logits of
       -> StepOutput: logits of the spans that end at their sequence's last token,
                      and the requests whose span failed (prefixpool/engine/isolation.py)
-      -> TokenEvent per sampled token
+      -> TokenEvent per sampled token (with its logprobs, when its request asked)
 
 A span snapshots its tokens and block table at schedule time, so the forward
 pass reads no request state that the caller may change meanwhile. Knows
-nothing of the pool or of sampling.
+nothing of the pool, nor of how tokens are sampled.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from prefixpool.engine.paged_attention import PagedLayout, Span, build_layout
+from prefixpool.engine.sampling import TokenLogprobs
 from prefixpool.engine.sequence import RequestStats, Sequence
 
 
@@ -28,6 +29,7 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None = None   # "stop" | "length" on the final event
     stats: RequestStats | None = None  # on the final event
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)

@@ -316,6 +316,7 @@ class Engine:
         """The request's next token; None if sampling failed (the request is failed alone)."""
         try:
             token = seq.sampler.sample(logits)
+            logprobs = seq.sampler.logprobs(logits, token)
         except RuntimeError as err:  # e.g. NaN logits: torch.multinomial refuses them
             log.exception("sampling failed for request %d", seq.request_id)
             self._fail(seq, failure_reason(err))
@@ -327,9 +328,9 @@ class Engine:
             seq.first_token_at = self.clock()
         reason = seq.sampler.finish_reason(token, seq.num_output_tokens)
         if reason is None:
-            return TokenEvent(seq.request_id, token, False)
+            return TokenEvent(seq.request_id, token, False, logprobs=logprobs)
         self._release(seq)
-        return TokenEvent(seq.request_id, token, True, reason, seq.stats())
+        return TokenEvent(seq.request_id, token, True, reason, seq.stats(), logprobs)
 
     def _fail(self, seq: Sequence, why: str) -> None:
         self._release(seq)

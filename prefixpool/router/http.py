@@ -20,6 +20,7 @@ from aiohttp import web
 from prefixpool.router import openai_format as fmt
 from prefixpool.router.admin_pin import decode_pin, forward_pin
 from prefixpool.router.detokenizer import Detokenizer
+from prefixpool.router.openai_logprobs import LogprobsShape
 from prefixpool.router.errors import APIError, InternalError, InvalidRequest, RouteNotFound, ServiceUnavailable
 from prefixpool.contract.drain import Drain, DrainDeadline, Draining
 from prefixpool.router.openai_schema import ChatBody, CompletionBody, RouteBody, decode
@@ -121,16 +122,19 @@ async def _serve(request: web.Request, router: Router, prepared: Prepared) -> we
     if prepared.stream:
         return await _serve_stream(request, router, prepared)
     detok = Detokenizer(router.tokenizer.decode)
+    logprobs = _logprobs_shape(router, prepared)
+    tokens: list[Token] = []  # kept for their logprobs
     drain = request.app[DRAIN_KEY]
     # aclosing: a client gone frees its worker slot now; past the drain deadline drain_gate answers 503
     async with contextlib.aclosing(router.generate(prepared)) as events, drain.until_deadline():
         async for event in events:
             if isinstance(event, Token):
                 detok.tokens.append(event.token)
+                tokens.append(event)
             elif isinstance(event, Done):
                 shape = fmt.chat if prepared.chat else fmt.completion
                 return json_response(shape(prepared.request_id, prepared.model, detok.text, event.finish_reason,
-                                               event.usage))
+                                           event.usage, None if logprobs is None else logprobs.of(tokens)))
             elif isinstance(event, Failed):
                 raise router.failure(event)
     raise router.failure(Failed("the worker ended the stream without finishing", 502))
@@ -149,7 +153,7 @@ async def _serve_stream(request: web.Request, router: Router, prepared: Prepared
             await response.write(frames.first())
         try:
             async with drain.until_deadline():
-                await _relay(prepared, first, events, detok, frames, response)
+                await _relay(prepared, first, events, detok, frames, response, _logprobs_shape(router, prepared))
         except DrainDeadline as err:
             await response.write(frames.frame(fmt.error_chunk(f"router shutting down: {err}", 503)))
         await response.write(b"data: [DONE]\n\n")
@@ -158,12 +162,14 @@ async def _serve_stream(request: web.Request, router: Router, prepared: Prepared
 
 
 async def _relay(prepared: Prepared, event: Event, events: AsyncIterator[Event], detok: Detokenizer,
-                 frames: fmt.StreamFrames, response: web.StreamResponse) -> None:
-    """Stream events as SSE frames from `event` on, until Done or Failed."""
+                 frames: fmt.StreamFrames, response: web.StreamResponse, logprobs: LogprobsShape | None) -> None:
+    """Stream events as SSE frames from `event` on, until Done or Failed; with logprobs, a frame per token."""
     while True:
         if isinstance(event, Token):
             text = detok.push(event.token)
-            if text:
+            if logprobs is not None:
+                await response.write(frames.token(text, logprobs.of((event,))))
+            elif text:
                 await response.write(frames.text(text))
         elif isinstance(event, Done):
             await response.write(frames.last(detok.flush(), event.finish_reason))
@@ -174,6 +180,13 @@ async def _relay(prepared: Prepared, event: Event, events: AsyncIterator[Event],
             await response.write(frames.frame(fmt.error_chunk(event.message, event.status)))
             return
         event = await anext(events, Failed("the worker ended the stream without finishing", 502))
+
+
+def _logprobs_shape(router: Router, prepared: Prepared) -> LogprobsShape | None:
+    """The answer's logprobs shaper, or None where they were not asked."""
+    if prepared.sampling.logprobs is None:
+        return None
+    return LogprobsShape(router.token_text, prepared.chat)
 
 
 async def models(request: web.Request) -> web.Response:

@@ -2,7 +2,9 @@
 
 Pure functions from what was generated to JSON-ready dicts, and StreamFrames:
 a streamed answer's SSE frames, whose envelope is encoded once per request so
-a token's frame costs one string encode. Knows nothing of HTTP, workers or
+a token's frame costs one string encode. With logprobs asked, every token gets
+a frame of its own, with its text (possibly empty) and its logprobs object
+(openai_logprobs.py), as vLLM streams them. Knows nothing of HTTP, workers or
 tokenizers.
 """
 
@@ -38,30 +40,35 @@ def _envelope(request_id: str, model: str, obj: str) -> dict:
     return {"id": request_id, "object": obj, "created": int(time.time()), "model": model}
 
 
-def completion(request_id: str, model: str, text: str, finish_reason: str, usage: Usage) -> dict:
+def completion(request_id: str, model: str, text: str, finish_reason: str, usage: Usage,
+               logprobs: dict | None = None) -> dict:
     return {
         **_envelope(request_id, model, "text_completion"),
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
         "usage": usage_dict(usage),
     }
 
 
-def chat(request_id: str, model: str, text: str, finish_reason: str, usage: Usage) -> dict:
+def chat(request_id: str, model: str, text: str, finish_reason: str, usage: Usage,
+         logprobs: dict | None = None) -> dict:
     return {
         **_envelope(request_id, model, "chat.completion"),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                     "finish_reason": finish_reason}],
         "usage": usage_dict(usage),
     }
 
 
-def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None) -> dict:
+def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None,
+                     logprobs: dict | None = None) -> dict:
     return {
         **_envelope(request_id, model, "text_completion"),
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
     }
 
 
-def chat_chunk(request_id: str, model: str, text: str | None, finish_reason: str | None, first: bool = False) -> dict:
+def chat_chunk(request_id: str, model: str, text: str | None, finish_reason: str | None, first: bool = False,
+               logprobs: dict | None = None) -> dict:
     delta: dict = {}
     if first:
         delta["role"] = "assistant"
@@ -69,7 +76,7 @@ def chat_chunk(request_id: str, model: str, text: str | None, finish_reason: str
         delta["content"] = text
     return {
         **_envelope(request_id, model, "chat.completion.chunk"),
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 
@@ -98,10 +105,10 @@ class StreamFrames:
         sample = self._dict(self._MARK, None)
         self._head, _, self._tail = self.frame(sample).partition(_encode(self._MARK))
 
-    def _dict(self, text: str | None, finish_reason: str | None) -> dict:
+    def _dict(self, text: str | None, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         if self.chat:
-            return chat_chunk(self.request_id, self.model, text, finish_reason)
-        return completion_chunk(self.request_id, self.model, text or "", finish_reason)
+            return chat_chunk(self.request_id, self.model, text, finish_reason, logprobs=logprobs)
+        return completion_chunk(self.request_id, self.model, text or "", finish_reason, logprobs)
 
     @staticmethod
     def frame(payload: dict) -> bytes:
@@ -109,6 +116,10 @@ class StreamFrames:
 
     def text(self, text: str) -> bytes:
         return self._head + _encode(text) + self._tail
+
+    def token(self, text: str, logprobs: dict) -> bytes:
+        """One token's frame, with its logprobs: encoded whole (logprobs are asked for rarely)."""
+        return self.frame(self._dict(text, None, logprobs))
 
     def first(self) -> bytes:
         return self.frame(chat_chunk(self.request_id, self.model, None, None, first=True))

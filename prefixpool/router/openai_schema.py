@@ -2,9 +2,15 @@
 
     bytes --decode()--> CompletionBody | ChatBody --(checks against the model)--> served
 
-msgspec does the typing (wrong or missing fields -> InvalidField, 422);
-`decode` adds the semantic checks that need no model (400), token ids outside
-int32 included. Context length
+msgspec does the typing (wrong or missing fields, and numbers outside their
+range -> InvalidField, 422); `decode` adds the semantic checks that need no
+model (400), token ids outside int32 and chat's `top_logprobs` without
+`logprobs: true` included. Logprobs, as vLLM takes them:
+
+    /v1/completions       logprobs: N               N in [0, MAX_LOGPROBS]
+    /v1/chat/completions  logprobs: true, top_logprobs: N   (top_logprobs alone: 0 or null)
+
+Context length
 and model name are checked by the caller, which knows the model. Knows
 nothing of HTTP servers, tokenizers or workers.
 """
@@ -15,6 +21,7 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
+from prefixpool.contract.worker_api import MAX_LOGPROBS
 from prefixpool.router.errors import InvalidField, InvalidRequest
 
 MAX_INT32 = 2**31 - 1
@@ -24,6 +31,7 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 Salt = Annotated[str, msgspec.Meta(max_length=256)]
+NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]  # vLLM's "-1: all" is not taken
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -49,6 +57,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
 class CompletionBody(_Sampling, frozen=True, kw_only=True):
     prompt: str | list[TokenId | str]
     echo: Literal[False] = False
+    logprobs: NumLogprobs | None = None
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -59,6 +68,8 @@ class ChatMessage(msgspec.Struct, frozen=True):
 class ChatBody(_Sampling, frozen=True, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: PositiveTokens | None = None
+    logprobs: bool | None = False
+    top_logprobs: NumLogprobs | None = None  # null means 0, as in OpenAI's and vLLM's schema
 
 
 class RouteBody(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,6 +96,8 @@ def decode(raw: bytes, kind: type[Body]) -> Body:
     except RecursionError:
         raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
     _check_prompt(body)
+    if isinstance(body, ChatBody) and body.top_logprobs and not body.logprobs:
+        raise InvalidRequest("when using `top_logprobs`, `logprobs` must be set to true", param="top_logprobs")
     return body
 
 
@@ -112,3 +125,10 @@ def _check_prompt(body: CompletionBody | ChatBody | RouteBody) -> None:
 
 def requested_tokens(body: CompletionBody | ChatBody | RouteBody, default: int) -> int:
     return getattr(body, "max_completion_tokens", None) or body.max_tokens or default
+
+
+def requested_logprobs(body: CompletionBody | ChatBody | RouteBody) -> int | None:
+    """Top alternatives asked per token (0: the sampled token's logprob only), or None: no logprobs."""
+    if isinstance(body, ChatBody):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return getattr(body, "logprobs", None)

@@ -31,8 +31,9 @@ import numpy as np
 from prefixpool.router.errors import APIError, InvalidRequest, ModelNotFound, ServiceUnavailable, Unauthorized
 from prefixpool.router.inflight import InflightTracker
 from prefixpool.router.metrics import RouterMetrics
-from prefixpool.router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_tokens
+from prefixpool.router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_logprobs, requested_tokens
 from prefixpool.router.cost_model import CostModel
+from prefixpool.router.detokenizer import TokenTexts
 from prefixpool.router.policy import NodeLoad, Plan, Policy, RouteRequest, policies, reusable_blocks
 from prefixpool.model.chat_template import ChatTemplateError
 from prefixpool.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Token, Usage
@@ -117,6 +118,7 @@ class Router:
         self.rng = rng or random.Random(0)
         self._choose: Policy = available[config.policy]
         self._root = functools.lru_cache(maxsize=4096)(lambda salt: config.namespace.with_salt(salt).root())
+        self.token_text = TokenTexts(tokenizer.decode)  # each token's own text, for logprobs answers
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -148,7 +150,7 @@ class Router:
             include_usage=bool(options and options.include_usage), ids=ids, keys=keys, cache_salt=body.cache_salt,
             sampling=SamplingParams(max_tokens=max_tokens, temperature=getattr(body, "temperature", 0.0),
                                     top_p=getattr(body, "top_p", 1.0), seed=getattr(body, "seed", None),
-                                    ignore_eos=getattr(body, "ignore_eos", False)),
+                                    ignore_eos=getattr(body, "ignore_eos", False), logprobs=requested_logprobs(body)),
         )
 
     def tokenize(self, body: CompletionBody | ChatBody | RouteBody) -> np.ndarray:

@@ -2,7 +2,11 @@
 
     GenerateRequest (token ids the router hashed) ─▶ POST {vllm}/v1/completions
         prompt = those token ids, stream, include_usage, return_token_ids
+        (logprobs N asked: logprobs N, return_tokens_as_token_ids)
     SSE chunks ─▶ Token per generated id ─▶ Done(usage: vLLM's cached_tokens as local hits)
+        (with its logprob and top N from vLLM's completion logprobs, named "token_id:<id>":
+         vLLM lists the sampled token first, then the N most likely, so N + 1 entries mean
+         the sampled one is not among them; the router names the ids as it does its own workers')
     vLLM 4xx  ─▶ Failed(vLLM's message, same status): the client gets vLLM's error, as an OpenAI error
     vLLM 5xx, connection lost before a token ─▶ WorkerUnreachable (the router retries elsewhere)
 
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import aiohttp
 
@@ -50,6 +54,9 @@ class VllmClient:
             body["seed"] = sampling.seed
         if request.cache_salt:
             body["cache_salt"] = request.cache_salt
+        if sampling.logprobs is not None:
+            body["logprobs"] = sampling.logprobs
+            body["return_tokens_as_token_ids"] = True
         return body
 
     async def generate(self, vllm_url: str, request: GenerateRequest) -> AsyncIterator[Event]:
@@ -59,7 +66,7 @@ class VllmClient:
                 if response.status != 200:
                     yield _failure(response.status, await response.text())
                     return
-                state = _StreamState(start)
+                state = _StreamState(start, request.sampling.logprobs)
                 async for raw in response.content:
                     for event in state.feed(raw):
                         yield event
@@ -85,8 +92,9 @@ def _failure(status: int, text: str) -> Failed:
 class _StreamState:
     """What the SSE stream has said so far: tokens, the finish reason, and then usage."""
 
-    def __init__(self, start: float) -> None:
+    def __init__(self, start: float, num_logprobs: int | None = None) -> None:
         self.start = start
+        self.num_logprobs = num_logprobs
         self.ttft_s = 0.0
         self.finish_reason = "length"
 
@@ -103,11 +111,20 @@ class _StreamState:
             ids = choice.get("token_ids") or []
             if ids and not self.ttft_s:
                 self.ttft_s = time.perf_counter() - self.start
-            events += [Token(t) for t in ids]
+            events += self._tokens(ids, choice.get("logprobs"))
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
         if chunk.get("usage"):
             events.append(Done(self.finish_reason, self._usage(chunk["usage"])))
         return events
+
+    def _tokens(self, ids: list[int], logprobs: dict | None) -> list[Event]:
+        if self.num_logprobs is None or not ids:
+            return [Token(t) for t in ids]
+        try:
+            return [_token(t, lp, top, self.num_logprobs) for t, lp, top in
+                    zip(ids, logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True)]
+        except (TypeError, KeyError, ValueError) as err:  # no logprobs, or not one entry per token id
+            return [Failed(f"vLLM's logprobs do not match its tokens: {err!r}", 502)]
 
     def _usage(self, usage: dict) -> Usage:
         prompt = usage.get("prompt_tokens", 0)
@@ -115,3 +132,25 @@ class _StreamState:
         return Usage(prompt_tokens=prompt, completion_tokens=usage.get("completion_tokens", 0),
                      local_hit_tokens=cached, fetched_tokens=0, computed_tokens=prompt - cached,
                      fetched_bytes=0, ttft_s=self.ttft_s)
+
+
+def _token(token: int, logprob: float | None, top: dict[str, float] | None, num_logprobs: int) -> Token:
+    """A Token from one position of vLLM's completion logprobs (ids named "token_id:<id>")."""
+    if logprob is None or top is None:
+        return Token(token)
+    pairs = [(_token_id(name), value) for name, value in top.items()]
+    if len(pairs) > num_logprobs:  # the sampled token (first) is not among the N most likely
+        pairs = pairs[1:]
+    return Token(token, logprob, _most_likely_first(pairs))
+
+
+def _token_id(name: str) -> int:
+    prefix, _, digits = name.partition(":")
+    if prefix != "token_id" or not digits.isdigit():
+        raise ValueError(f"vLLM named a token {name!r}, not token_id:<id>")
+    return int(digits)
+
+
+def _most_likely_first(pairs: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """vLLM lists the sampled token first; our workers list by logprob, ties to the lower id."""
+    return tuple(sorted(pairs, key=lambda pair: (-pair[1], pair[0])))

@@ -200,7 +200,7 @@ class Worker:
             stream = self._streams.get(event.request_id)
             if stream is None:
                 continue
-            stream.queue.put_nowait(Token(event.token))
+            stream.queue.put_nowait(_token(event))
             if event.finished:
                 stream.queue.put_nowait(self._done(event, stream))
         for request_id, reason in self.engine.take_failed():  # its span failed alone; the batch ran on
@@ -268,3 +268,9 @@ class Worker:
                 "num_cached": pool.num_cached, "num_pinned": sum(1 for c in pool.ref_count if c > 0),
                 "num_streams": len(self._streams), "num_queued": self.engine.num_queued,
                 "num_running": self.engine.num_running}
+
+
+def _token(event: TokenEvent) -> Token:
+    """The wire event of a sampled token, with its logprobs when the request asked."""
+    logprobs = event.logprobs
+    return Token(event.token) if logprobs is None else Token(event.token, logprobs.logprob, logprobs.top)

@@ -187,6 +187,35 @@ def test_chat_and_stream_pass_through_with_usage(fleet):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the second time: a hit, reported by vLLM
 
 
+def test_logprobs_through_the_router_are_vllms_own_in_the_openai_shape(fleet):
+    """Completion and chat logprobs asked of a vLLM node through our router equal vLLM's own answer, computed cold."""
+    router, direct = client_for(fleet.router_url), client_for(fleet.vllm_servers["vllm-1"].url)
+    prompt = SHARED + "Logprobs of a fox."
+    ours = router.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    theirs = direct.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3,
+                                       extra_body={"cache_salt": "lp-cold"})
+    got, want = ours.choices[0].logprobs, theirs.choices[0].logprobs
+    assert ours.choices[0].text == theirs.choices[0].text and len(got.tokens) == ours.usage.completion_tokens
+    assert got.tokens == want.tokens and got.text_offset == want.text_offset
+    assert [list(top) for top in got.top_logprobs] == [list(top) for top in want.top_logprobs]
+    assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-4)
+    assert [v for top in got.top_logprobs for v in top.values()] == pytest.approx(
+        [v for top in want.top_logprobs for v in top.values()], abs=1e-4), (got.top_logprobs, want.top_logprobs)
+    messages = [{"role": "user", "content": "Logprobs of a dog."}]
+    asked = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0, "logprobs": True,
+             "top_logprobs": 2}
+    want_chat = direct.chat.completions.create(**asked, extra_body={"cache_salt": "lp-cold"}).choices[0].logprobs
+    for answer in (router.chat.completions.create(**asked).choices[0].logprobs.content,
+                   [e for c in router.chat.completions.create(**asked, stream=True) if c.choices and
+                    c.choices[0].logprobs for e in c.choices[0].logprobs.content]):
+        assert [(e.token, e.bytes) for e in answer] == [(e.token, e.bytes) for e in want_chat.content]
+        assert [[t.token for t in e.top_logprobs] for e in answer] == [
+            [t.token for t in e.top_logprobs] for e in want_chat.content]
+        assert [e.logprob for e in answer] == pytest.approx([e.logprob for e in want_chat.content], abs=1e-4)
+    status, body = post(fleet.router_url, "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21})
+    assert status == 422 and body["error"]["param"] == "logprobs"  # our limit, vLLM's default max_logprobs
+
+
 def test_bad_input_through_the_router_is_a_4xx_with_a_message(fleet):
     url = fleet.router_url
     too_long = {"model": MODEL, "prompt": "hello", "max_tokens": 3000}  # our check: 4096; vLLM's max_model_len: 2048
