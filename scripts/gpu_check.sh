@@ -16,7 +16,10 @@
 #   4. the CUDA tests (tests/unit files that test torch.cuda.is_available(), `-k cuda`)
 #   5. the engine against transformers on the device   (PREFIXPOOL_TEST_DEVICE=cuda, test_transformers_parity.py)
 #   6. the engine's reuse == recompute on the device   (PREFIXPOOL_TEST_DEVICE=cuda, test_engine_reuse.py)
-#   7. `prefixpool demo` with its workers on the device (PREFIXPOOL_DEVICE=cuda: a worker that cannot use
+#   7. the batch-invariant mode on the device: its bit-equality tests (PREFIXPOOL_TEST_DEVICE=cuda,
+#      test_batch_invariance.py; they print how often mode off differs), then the bf16 reuse comparison and
+#      the mode's cost, off vs on, at a GPU size (scripts/bench_engine.py --invariance, its table kept)
+#   8. `prefixpool demo` with its workers on the device (PREFIXPOOL_DEVICE=cuda: a worker that cannot use
 #      CUDA fails to start rather than falling back to the CPU)
 # Every step runs whatever the others did, each under its own time limit inside one budget
 # (GPU_CHECK_BUDGET_S, default 480 s), and one table ends the output: step, pass/fail/skip, seconds,
@@ -28,6 +31,8 @@
 #   GPU_CHECK_SITE      where the wheels go (default /tmp/site)
 #   GPU_CHECK_BUDGET_S  the whole run's time budget in seconds (default 480)
 #   GPU_CHECK_DEMO_ARGS more `prefixpool demo` flags, e.g. "--model small --questions 6"
+#   GPU_CHECK_INVARIANCE_ARGS  the mode's bench flags (default: a Llama-3-8B shape cut to 8 layers, bf16,
+#                       2000-token prefix; on --cpu a small one)
 # A CPU rehearsal (no GPU, no project venv) is in docs/gpu.md.
 set -u -o pipefail
 
@@ -38,7 +43,7 @@ DEVICE="${GPU_CHECK_DEVICE:-cuda}"
 for arg in "$@"; do
     case "$arg" in
         --cpu) DEVICE=cpu ;;
-        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -46,6 +51,13 @@ PY="${GPU_CHECK_PYTHON:-python3}"
 SITE="${GPU_CHECK_SITE:-/tmp/site}"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-480}"
 DEMO_ARGS="${GPU_CHECK_DEMO_ARGS:-}"
+if [[ "$DEVICE" == cuda* ]]; then
+    INVARIANCE_ARGS="${GPU_CHECK_INVARIANCE_ARGS:---preset llama-3-8b --layers 8 --prompt 2000 --new 64 --batch 16 \
+--decode-tokens 16 --repeats 1 --trials 6 --chunk-size 512}"
+else
+    INVARIANCE_ARGS="${GPU_CHECK_INVARIANCE_ARGS:---hidden 512 --layers 2 --prompt 300 --new 32 --batch 4 \
+--decode-tokens 8 --repeats 1 --trials 3 --chunk-size 512}"
+fi
 
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -270,6 +282,32 @@ step_reuse() {
     pytest_result reuse
 }
 
+step_invariance() {
+    local half=$(( $1 * 2 / 5 ))  # the tests; the bench (its weights made on the CPU first) gets the rest
+    capture invariance_tests "$half" env PREFIXPOOL_TEST_DEVICE="$DEVICE" \
+        "$PY" -m pytest -q -s -p no:cacheprovider -rs --tb=short tests/unit/test_batch_invariance.py
+    pytest_result invariance_tests
+    local tests_result="$RESULT" tests_figure="$FIGURE" measured
+    measured="$(grep -oE 'mode on [0-9]+/[0-9]+, mode off [0-9]+/[0-9]+' "$WORK/invariance_tests.out" | tail -n 1)"
+    # shellcheck disable=SC2086  # INVARIANCE_ARGS is a list of flags
+    capture invariance_bench "$(( $1 - half ))" "$PY" scripts/bench_engine.py --invariance --device "$DEVICE" \
+        $INVARIANCE_ARGS
+    # the table's cells: "tokens/N / logits/N"; ratios are mode on / mode off
+    local out="$WORK/invariance_bench.out" reuse prefill decode all_on
+    reuse="$(awk -F'|' '/^\| reuse == recompute/ {gsub(/^ +| +$/, "", $3); gsub(/^ +| +$/, "", $4)
+                                                  print "off " $3 "; on " $4}' "$out")"
+    all_on="$(awk -F'|' '/^\| reuse == recompute/ {split($4, c, /[ \/]+/); print (c[2] == c[3] && c[4] == c[5] && c[2] > 0)}' "$out")"
+    prefill="$(awk -F'|' '/^\| prefill tok\/s/ {gsub(/ /, "", $5); print $5}' "$out")"
+    decode="$(awk -F'|' '/^\| decode tok\/s, batch/ && !/batch 1 \|/ {gsub(/ /, "", $5); print $5}' "$out")"
+    FIGURE="tests: $tests_figure (reuse ${measured:-?}); bench reuse identical tokens / logits: ${reuse:-?}; \
+on / off: prefill ${prefill:-?}, batched decode ${decode:-?}"
+    if [[ "$tests_result" == pass && $RC -eq 0 && "$all_on" == 1 ]]; then
+        RESULT=pass
+    else
+        RESULT=fail FIGURE="bench exit $RC; $FIGURE"
+    fi
+}
+
 step_demo() {
     # shellcheck disable=SC2086  # DEMO_ARGS is a list of flags
     capture demo "$1" env PREFIXPOOL_DEVICE="$DEVICE" "$PY" -m prefixpool.deploy.cli demo $DEMO_ARGS
@@ -300,6 +338,7 @@ main() {
     run_step "CUDA tests (-k cuda)" 120 step_cuda_tests
     run_step "engine vs transformers ($DEVICE)" 150 step_parity
     run_step "engine reuse == recompute ($DEVICE)" 120 step_reuse
+    run_step "batch-invariant mode, bf16 bits and cost ($DEVICE)" 180 step_invariance
     run_step "prefixpool demo (workers on $DEVICE)" 200 step_demo
 
     local failed=0 passed=0 skipped=0 i

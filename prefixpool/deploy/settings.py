@@ -2,7 +2,8 @@
 
 Every field of a settings dataclass becomes a flag `--field-name` whose default
 comes from the environment variable `PREFIXPOOL_FIELD_NAME`, else the field's
-default. Flags win over the environment. Knows nothing of what the settings
+default (a boolean flag alone means true; `--flag false` also works). Flags win
+over the environment. Knows nothing of what the settings
 are for; the component modules declare their own dataclasses.
 """
 
@@ -50,9 +51,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = get_type_hints(cls)
     for field in dataclasses.fields(cls):
         help_text = field.metadata.get("help", "")
+        bare = {"nargs": "?", "const": True} if hints[field.name] is bool else {}  # `--flag` alone: true
         parser.add_argument(
             flag_name(field.name), dest=field.name, type=_parser_for(hints[field.name]), default=None,
-            help=f"{help_text} (env {env_name(field.name)})",
+            help=f"{help_text} (env {env_name(field.name)})", **bare,
         )
 
 

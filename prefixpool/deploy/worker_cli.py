@@ -84,7 +84,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
     blocks = node_blocks(arena, sizes, settings.min_residency_s,
                          PrefixPins(settings.soft_pin_blocks, settings.soft_pin_ttl_s))
     return Engine(model, blocks, arena, namespace, max_batch_size=settings.max_batch_size,
-                  chunk_size=settings.chunk_size)
+                  chunk_size=settings.chunk_size, batch_invariant=settings.batch_invariant)
 
 
 def node_config(settings: WorkerSettings, host: str, advertise: str) -> NodeConfig:

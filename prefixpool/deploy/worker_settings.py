@@ -27,6 +27,9 @@ class WorkerSettings(CommonSettings):
     num_blocks: int = setting(1024, "KV blocks in the device pool")
     max_batch_size: int = setting(8, "requests decoded together")
     chunk_size: int = setting(512, "prefill chunk, in tokens")
+    batch_invariant: bool = setting(False, "every token's K,V, hidden states and logits bit-identical whatever "
+                                    "the chunk, batch or cached length (reuse == recompute in bf16); costs "
+                                    "speed (benchmarks/engine.md). Workers that share blocks must agree")
     fetch_timeout_s: float = setting(5.0, "deadline of one block fetch from a peer")
     fetch_while_queued: bool = setting(True, "queue a request before its planned fetch ends, "
                                        "so the transfer overlaps the wait")

@@ -4,8 +4,10 @@
                                                       │ write K,V of the step's new positions into their blocks,
                                                       ▼ then one attention call for all requests (paged_attention)
 
-Linear layers and attention both run on all requests at once; what each
-request reads and writes is in the step's PagedLayout. K is stored after
+Linear layers and attention both run on all requests at once, in the shapes
+the step's kernels choose (prefixpool/engine/kernels.py: the whole step per
+call, or fixed tiles in the batch-invariant mode); what each request reads
+and writes is in the step's PagedLayout. K is stored after
 rotary embedding. Covers the llama, qwen2 and mistral families (q/k/v and
 o_proj biases, tied embeddings, RoPE scalings, sliding windows) as
 ModelConfig describes them. Parameter names follow HF's layout without the
@@ -19,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixpool.model.config import ModelConfig
-from prefixpool.engine.paged_attention import PagedLayout, attend, store
+from prefixpool.engine.kernels import STANDARD, Kernels, StepAttention
+from prefixpool.engine.paged_attention import PagedLayout, store
 from prefixpool.engine.rotary import Rotary, rotate
 
 
@@ -47,16 +50,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: PagedLayout,
-                masks: dict[int | None, torch.Tensor | None], kv: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [rows, heads, dim], k and v [rows, kv_heads, dim] of normed x, q and k rotated: per token."""
         rows = x.shape[0]
-        q = rotate(self.q_proj(x).view(rows, self.num_heads, self.head_dim), *rope)
-        k = rotate(self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim), *rope)
+        q = rotate(self.q_proj(x).view(rows, self.num_heads, self.head_dim), cos, sin)
+        k = rotate(self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PagedLayout,
+               attention: StepAttention, kv: torch.Tensor) -> torch.Tensor:
+        """Store this step's K,V in the arena, then every query against its context: [rows, heads * dim]."""
         layer_kv = kv[:, self.layer]
         store(layer_kv, layout, k, v)
-        out = attend(q, k, v, layer_kv, layout, masks[self.window])
-        return self.o_proj(out.reshape(rows, -1))
+        return attention.attend(q, k, v, layer_kv, self.window).reshape(q.shape[0], -1)
 
 
 class MLP(nn.Module):
@@ -79,9 +86,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: PagedLayout,
-                masks: dict[int | None, torch.Tensor | None], kv: torch.Tensor) -> torch.Tensor:
+                attention: StepAttention, kv: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        q, k, v = kernels.rows(self._project, x, *rope)
+        return kernels.rows(self._finish, self.self_attn.attend(q, k, v, layout, attention, kv), x)
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def _finish(self, attended: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # residuals added into the sublayer's fresh output: same sums, no new [rows, hidden] tensor
-        x = self.self_attn(self.input_layernorm(x), rope, layout, masks, kv).add_(x)
+        x = self.self_attn.o_proj(attended).add_(x)
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
@@ -108,16 +122,20 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: PagedLayout,
-                kv: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
-        """Run packed `tokens` through every layer; return fp32 logits of `logit_rows` only."""
+                kv: torch.Tensor, logit_rows: torch.Tensor, kernels: Kernels = STANDARD) -> torch.Tensor:
+        """Run packed `tokens` through every layer; return fp32 logits of `logit_rows` only.
+
+        `kernels` decide the shapes the work runs in (prefixpool/engine/kernels.py): the
+        standard ones, or the batch-invariant ones whose results do not depend on the batch.
+        """
         x = self.embed_tokens(tokens)
-        rope = self.rotary.cos_sin(positions, x.dtype)
+        rope = kernels.rows(lambda p: self.rotary.cos_sin(p, x.dtype), positions)
         groups = self.config.num_heads // self.config.num_kv_heads
         windows = {self.config.window(i) for i in range(len(self.layers))}
-        masks = {window: layout.mask(window, groups, x.dtype) for window in windows}
+        attention = kernels.attention(layout, windows, groups, x.dtype, block_size=kv.shape[3])
         for layer in self.layers:
-            x = layer(x, rope, layout, masks, kv)
-        return self.logits(self.norm(x[logit_rows])).float()
+            x = layer(x, rope, layout, attention, kv, kernels)
+        return kernels.rows(lambda h: self.logits(self.norm(h)), x[logit_rows]).float()
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """lm_head(x), as x @ a contiguous [hidden, vocab] copy of its weight.

@@ -40,6 +40,7 @@ import torch
 
 from prefixpool.engine.batch import Batch, ScheduledSpan, StepOutput, TokenEvent
 from prefixpool.engine.isolation import failure_reason, forward_isolated
+from prefixpool.engine.kernels import kernels_for
 from prefixpool.engine.model import Transformer
 from prefixpool.model.config import arena_shape_for
 from prefixpool.engine.torch_dtype import dtype_name
@@ -63,7 +64,7 @@ class InvalidTokens(ValueError):
 
 class Engine:
     def __init__(self, model: Transformer, blocks: NodeBlocks, arena: KVArena, namespace: Namespace, *,
-                 max_batch_size: int = 8, chunk_size: int = 512,
+                 max_batch_size: int = 8, chunk_size: int = 512, batch_invariant: bool = False,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         _check_fit(model, blocks, arena, namespace)
         if chunk_size < max_batch_size:
@@ -71,6 +72,7 @@ class Engine:
         self.model, self.blocks, self.arena, self.namespace = model, blocks, arena, namespace
         self.block_size = namespace.block_size
         self.max_batch_size, self.chunk_size, self.clock = max_batch_size, chunk_size, clock
+        self.kernels = kernels_for(batch_invariant, model.device)  # bit-equal per token whatever the batch
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._sequences: dict[int, Sequence] = {}
@@ -202,7 +204,7 @@ class Engine:
 
     def _run(self, batch: Batch) -> torch.Tensor:
         tokens, positions, layout, logit_rows = batch.model_inputs(self.model.device, self.block_size)
-        return self.model(tokens, positions, layout, self.arena.tensor, logit_rows).cpu()
+        return self.model(tokens, positions, layout, self.arena.tensor, logit_rows, self.kernels).cpu()
 
     def finish(self, batch: Batch, output: StepOutput) -> list[TokenEvent]:
         events: list[TokenEvent] = []

@@ -17,12 +17,12 @@ BLOCK = 4
 DEVICE = os.environ.get("PREFIXPOOL_TEST_DEVICE", "cpu")
 
 
-def make_engine(model, num_blocks=64, chunk_size=512, max_batch_size=8):
+def make_engine(model, num_blocks=64, chunk_size=512, max_batch_size=8, batch_invariant=False):
     config = model.config
     arena = KVArena(arena_shape_for(config, num_blocks, BLOCK), model.dtype, model.device)
     namespace = namespace_for(config, dtype_name(model.dtype), BLOCK)
     return Engine(model, NodeBlocks(BlockPool(num_blocks)), arena, namespace, chunk_size=chunk_size,
-                  max_batch_size=max_batch_size)
+                  max_batch_size=max_batch_size, batch_invariant=batch_invariant)
 
 
 def assert_clean(engine):

@@ -90,11 +90,11 @@ class FailOnMarkedToken:
         self.config, self.device, self.dtype = model.config, model.device, model.dtype
         self.num_raised = 0
 
-    def __call__(self, tokens, positions, layout, kv, logit_rows):
+    def __call__(self, tokens, positions, layout, kv, logit_rows, kernels):
         if bool(((tokens == self.token) & (positions == self.position)).any()):
             self.num_raised += 1
             raise RuntimeError("injected kernel fault\nframe #0: c10::Error (a C++ trace the client must not see)")
-        return self.model(tokens, positions, layout, kv, logit_rows)
+        return self.model(tokens, positions, layout, kv, logit_rows, kernels)
 
 
 def test_a_model_error_on_one_request_fails_it_alone(model, solo):
