@@ -6,7 +6,9 @@
                      worker with a fetch plan: KV moves over the transfer layer instead of
                      being recomputed
     4. correctness   every cached answer is compared with the same prompt computed cold
-                     (a fresh cache_salt), greedy, token for token
+                     (a fresh cache_salt), greedy, token for token; in bfloat16 or float16 its
+                     per-token logprobs too, float for float (run the workers with
+                     --worker-arg=--batch-invariant: without it reuse rounds differently)
 
 Prints one table: TTFT per phase, hit rate and bytes moved. Bounded: a fixed
 number of requests, everything stopped by PID at the end.
@@ -33,16 +35,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="model preset of the workers")
     parser.add_argument("--prefix-repeats", type=int, default=24, help="size of the shared prefix (x ~170 tokens)")
     parser.add_argument("--questions", type=int, default=4, help="requests per phase")
+    parser.add_argument("--dtype", default="float32", help="model and KV dtype of the workers and the router; "
+                        "in bfloat16 or float16 the check compares every logprob exactly")
+    parser.add_argument("--worker-arg", action="append", default=[],
+                        help="extra flag for every worker (repeatable), e.g. --worker-arg=--batch-invariant")
 
 
 def run(args: argparse.Namespace) -> int:
-    worker_args = ("--model", args.model, "--num-blocks", "2048", "--lease-ttl-s", "5")
+    model = ("--model", args.model, "--dtype", args.dtype)
+    worker_args = (*model, "--num-blocks", "2048", "--lease-ttl-s", "5", *args.worker_arg)
     print(f"starting etcd, {args.workers} workers and a router on 127.0.0.1 ...", flush=True)
-    with LocalCluster(args.workers, worker_args, ("--model", args.model)) as cluster:
+    with LocalCluster(args.workers, worker_args, model) as cluster:
         _wait_ready(cluster.router_url, args.workers)
         print(f"router at {cluster.router_url}\n", flush=True)
-        print(Demo(cluster, args.model, DOCUMENT * args.prefix_repeats, args.questions).run())
-    return 0
+        demo = Demo(cluster, args.model, DOCUMENT * args.prefix_repeats, args.questions,
+                    exact_logprobs=args.dtype != "float32")
+        print(demo.run())
+    return 1 if demo.wrong else 0
 
 
 def _wait_ready(url: str, workers: int, timeout_s: float = 60.0) -> None:
@@ -56,8 +65,12 @@ def _wait_ready(url: str, workers: int, timeout_s: float = 60.0) -> None:
 
 
 class Demo:
-    def __init__(self, cluster: LocalCluster, model: str, prefix: str, questions: int) -> None:
+    def __init__(self, cluster: LocalCluster, model: str, prefix: str, questions: int,
+                 exact_logprobs: bool = False) -> None:
         self.cluster, self.model, self.prefix, self.questions = cluster, model, prefix, questions
+        # float32 logprobs of a reused prefix agree with cold ones only to rounding; half precision with the
+        # batch-invariant mode bit for bit, so there they are compared exactly
+        self.exact_logprobs = exact_logprobs
         self.rows: list[tuple[str, list[dict]]] = []
         self.wrong = 0
 
@@ -69,11 +82,11 @@ class Demo:
         return self.table()
 
     def ask(self, prompt: str, salt: str = "demo", max_tokens: int = 16) -> dict:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
                 "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
         request = urllib.request.Request(f"{self.cluster.router_url}/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
-        start, ttft, text, usage = time.perf_counter(), None, "", {}
+        start, ttft, text, usage, logprobs = time.perf_counter(), None, "", {}, []
         with urllib.request.urlopen(request, timeout=300) as reply:
             for raw in reply:
                 line = raw.decode().strip()
@@ -83,8 +96,9 @@ class Demo:
                 if chunk.get("choices"):
                     ttft = ttft or time.perf_counter() - start
                     text += chunk["choices"][0]["text"]
+                    logprobs += (chunk["choices"][0].get("logprobs") or {}).get("token_logprobs", [])
                 usage = chunk.get("usage") or usage
-        return {"ttft": ttft or 0.0, "text": text, "usage": usage, "prompt": prompt}
+        return {"ttft": ttft or 0.0, "text": text, "usage": usage, "prompt": prompt, "logprobs": logprobs}
 
     def fetch_phase(self, prompts: list[str]) -> list[dict]:
         holder = self._route(prompts[0])["worker"]
@@ -120,7 +134,8 @@ class Demo:
         for answer in answers:
             if answer["usage"]["prompt_tokens_details"]["cached_tokens"]:
                 cold = self.ask(answer["prompt"], salt=f"oracle-{time.monotonic_ns()}")
-                self.wrong += cold["text"] != answer["text"]
+                same_logprobs = cold["logprobs"] == answer["logprobs"] or not self.exact_logprobs
+                self.wrong += cold["text"] != answer["text"] or not same_logprobs
         self.rows.append((name, answers))
 
     def table(self) -> str:
@@ -138,6 +153,7 @@ class Demo:
                          f"{fetched:,} | {moved:,} |")
         checked = sum(1 for _, answers in self.rows for a in answers
                       if a["usage"]["prompt_tokens_details"]["cached_tokens"])
+        compared = "text and logprobs" if self.exact_logprobs else "text"
         lines.append("\nEvery cached answer re-asked cold (fresh cache_salt): "
-                     f"{checked - self.wrong}/{checked} identical.")
+                     f"{checked - self.wrong}/{checked} identical ({compared}).")
         return "\n".join(lines)

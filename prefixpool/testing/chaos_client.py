@@ -7,7 +7,10 @@
 
 A fresh `cache_salt` puts a request in a namespace no block was ever stored
 in, so it is computed from scratch: with greedy sampling (temperature 0) that
-output is the truth every answered request must equal. A clean failure is a
+output is the truth every answered request must equal. In bfloat16 (or fp16)
+with --batch-invariant, a client made with `logprobs=1` asks every answer's
+per-token logprobs and the oracle compares them too, float for float (in
+float32 they agree only to rounding, so leave it off). A clean failure is a
 503 or a 4xx carrying an OpenAI error JSON; anything else is dirty. Knows
 nothing of processes or faults: scripts/chaos.py and the tests inject those.
 """
@@ -47,6 +50,7 @@ class Outcome:
     usage: dict | None = None
     ttft_s: float | None = None
     salt: str = ""
+    logprobs: list[float] | None = None  # the sampled tokens' logprobs, when the client asked for them
 
     @property
     def answered(self) -> bool:
@@ -68,8 +72,10 @@ class Outcome:
 
 
 class ApiClient:
-    def __init__(self, base_url: str, api_key: str = "", timeout_s: float = 120.0, keep_alive: bool = True) -> None:
+    def __init__(self, base_url: str, api_key: str = "", timeout_s: float = 120.0, keep_alive: bool = True,
+                 logprobs: int | None = None) -> None:
         self.base_url = base_url
+        self.logprobs = logprobs  # asked of every completion: the oracle then compares logprobs exactly
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         connector = aiohttp.TCPConnector(force_close=not keep_alive)
         self.session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s),
@@ -92,6 +98,8 @@ class ApiClient:
     async def complete_at(self, base_url: str, prompt: str, salt: str = "", max_tokens: int = 8,
                           stream: bool = False) -> Outcome:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "cache_salt": salt}
+        if self.logprobs is not None:
+            body["logprobs"] = self.logprobs
         if stream:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
         started = time.perf_counter()
@@ -103,8 +111,9 @@ class ApiClient:
                     payload = await response.json(content_type=None)
                     if response.status != 200:
                         return Outcome(prompt, response.status, error=payload, salt=salt)
-                    return Outcome(prompt, 200, payload["choices"][0]["text"], usage=payload["usage"],
-                                   ttft_s=time.perf_counter() - started, salt=salt)
+                    choice = payload["choices"][0]
+                    return Outcome(prompt, 200, choice["text"], usage=payload["usage"],
+                                   ttft_s=time.perf_counter() - started, salt=salt, logprobs=_token_logprobs(choice))
                 return await _read_stream(prompt, salt, response, started)
         except aiohttp.ClientConnectorError as err:  # nothing was sent
             return Outcome(prompt, 0, error={"connect": repr(err)}, salt=salt)
@@ -143,7 +152,7 @@ class BalancedClient(ApiClient):
 
 
 async def _read_stream(prompt: str, salt: str, response: aiohttp.ClientResponse, started: float) -> Outcome:
-    parts, usage, ttft = [], None, None
+    parts, usage, ttft, logprobs = [], None, None, []
     async for raw in response.content:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -157,27 +166,39 @@ async def _read_stream(prompt: str, salt: str, response: aiohttp.ClientResponse,
             if choice.get("text"):
                 ttft = ttft if ttft is not None else time.perf_counter() - started
                 parts.append(choice["text"])
-    return Outcome(prompt, 200, "".join(parts), usage=usage, ttft_s=ttft, salt=salt)
+            logprobs += _token_logprobs(choice) or []
+    return Outcome(prompt, 200, "".join(parts), usage=usage, ttft_s=ttft, salt=salt, logprobs=logprobs or None)
+
+
+def _token_logprobs(choice: dict) -> list[float] | None:
+    return choice["logprobs"]["token_logprobs"] if choice.get("logprobs") else None
 
 
 class Oracle:
-    """Cold outputs: each prompt once, in its own fresh salt namespace (computed, never reused)."""
+    """Cold outputs: each prompt once, in its own fresh salt namespace (computed, never reused). Built by a
+    client that asks logprobs, it holds the cold logprobs too, and an answer must match them exactly."""
 
-    def __init__(self, cold: dict[str, str]) -> None:
+    def __init__(self, cold: dict[str, str], cold_logprobs: dict[str, list[float]] | None = None) -> None:
         self.cold = cold
+        self.cold_logprobs = cold_logprobs or {}
 
     @classmethod
     async def build(cls, client: ApiClient, prompts: list[str], max_tokens: int = 8) -> "Oracle":
-        cold = {}
+        cold, cold_logprobs = {}, {}
         for prompt in dict.fromkeys(prompts):
             outcome = await client.complete(prompt, salt=uuid.uuid4().hex, max_tokens=max_tokens)
             assert outcome.answered, f"oracle request failed: {outcome}"
             assert outcome.usage["prompt_tokens_details"]["cached_tokens"] == 0, "a fresh salt must compute"
             cold[prompt] = outcome.text
-        return cls(cold)
+            if outcome.logprobs is not None:
+                cold_logprobs[prompt] = outcome.logprobs
+        return cls(cold, cold_logprobs)
 
     def wrong(self, outcome: Outcome) -> bool:
-        return outcome.answered and outcome.text != self.cold[outcome.prompt]
+        if not outcome.answered:
+            return False
+        expected = self.cold_logprobs.get(outcome.prompt)
+        return outcome.text != self.cold[outcome.prompt] or (expected is not None and outcome.logprobs != expected)
 
 
 @dataclass

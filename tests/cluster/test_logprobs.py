@@ -9,7 +9,8 @@ under a fresh cache_salt give the same tokens and the same logprobs up to
 float32 rounding: the engine computes a cached prompt's suffix in matrix
 multiplies of another shape, so bit equality is not promised without the
 batch-invariant mode (measured on this CPU, 13 new tokens after a cached prefix
-of 64 / 300 / 496 tokens: bit-equal / up to 7.2e-7 apart / bit-equal).
+of 64 / 300 / 496 tokens: bit-equal / up to 7.2e-7 apart / bit-equal). The exact variant, `==` on every
+logprob, runs in bfloat16 with --batch-invariant: tests/cluster/test_bf16_reuse.py.
 """
 
 import math
