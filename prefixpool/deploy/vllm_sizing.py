@@ -19,8 +19,10 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from prefixpool.model.config import DTYPE_BYTES as MODEL_DTYPE_BYTES
+
 KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
-DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+DTYPE_BYTES = {**MODEL_DTYPE_BYTES, "float": 4, "half": 2}  # ours and vLLM's aliases of them
 DEFAULT_DTYPE_BYTES = 2  # "auto" with no dtype in config.json: vLLM's own default then is the checkpoint's 16 bits
 
 

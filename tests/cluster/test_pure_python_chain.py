@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 
 import numpy as np
 import openai
@@ -22,6 +21,7 @@ from prefixpool.model.source import cache_namespace, model_config
 from prefixpool.store import keys
 from prefixpool.store.keys import chain
 from prefixpool.testing.refuse_c_chain import loaded_c_chain, refusing_env, refusing_pythonpath, write_refusal
+from tests.cluster.test_e2e import _wait_for_workers
 from tests.conftest import etcdctl
 
 WORKER_ARGS = ("--lease-ttl-s", "3", "--num-blocks", "512", "--max-batch-size", "8")
@@ -56,16 +56,6 @@ def cluster(refusal):
 @pytest.fixture(scope="module")
 def client(cluster):
     return openai.OpenAI(base_url=f"{cluster.router_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def _wait_for_workers(url: str, count: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{url}/healthz") as reply:
-            if json.load(reply)["workers"] == count:
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"router never saw {count} workers")
 
 
 def complete(client, prompt, salt: str, max_tokens: int = 12):
