@@ -42,6 +42,8 @@ class NodeRecord(msgspec.Struct, frozen=True):
     load_time: float = 0.0  # wall clock (time.time()) when the load fields were sampled
     kind: str = "prefixpool"  # what serves at http_url: "prefixpool" (our worker API) or "vllm" (OpenAI API)
     namespace: str = ""  # hex root of the block-key namespace it hashes under ("" = not said)
+    role: str = "both"  # prefill/decode disaggregation: "prefill", "decode" or "both" (serves whole requests)
+    adapters: tuple[str, ...] = ()  # LoRA adapters served beside `model` (vLLM --lora-modules NAME=DIR)
 
 
 def encode_record(record: NodeRecord) -> bytes:
