@@ -7,7 +7,11 @@
 vLLM builds one instance per role: the scheduler's (SchedulerSide: what the
 pool can supply, what to load and save each step) and each worker's
 (WorkerSide: the pool node itself, copying between vLLM's paged KV and the
-pool). This class only translates vLLM's calls; it is imported inside vLLM's
+pool). `kv_role`: kv_both and kv_producer save what vLLM computes and load
+prefixes; kv_consumer (a decode server) only loads. Prefill/decode handoff
+(handoff.py): a request that asks it gets the pool and block count back in its
+kv_transfer_params, and a request that carries them loads from that pool.
+This class only translates vLLM's calls; it is imported inside vLLM's
 process (its own venv), so it imports nothing of the router, Ray or our engine.
 Multimodal requests and prompts given as embeddings are neither loaded nor saved.
 """
@@ -22,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                 KVConnectorRole)
 
 from prefixpool.vllm_connector.config import config_from
+from prefixpool.vllm_connector.handoff import asks_for_handoff, handoff_of
 from prefixpool.vllm_connector.scheduler import LoadOp, SaveOp, SchedulerSide
 from prefixpool.vllm_connector.worker import WorkerSide
 
@@ -69,7 +74,8 @@ class PrefixPoolConnector(KVConnectorBase_V1):
             log.warning("kv_load_failure_policy is %r: a block that fails to load fails its request; "
                         "set it to 'recompute'", self._kv_transfer_config.kv_load_failure_policy)
         self._num_blocks = kv_cache_config.num_blocks
-        self.scheduler = SchedulerSide(config, namespace) if role == KVConnectorRole.SCHEDULER else None
+        saves = self._kv_transfer_config.kv_role != "kv_consumer"  # a decode server's KV goes nowhere
+        self.scheduler = SchedulerSide(config, namespace, saves) if role == KVConnectorRole.SCHEDULER else None
         self.worker = WorkerSide(config, namespace) if role == KVConnectorRole.WORKER else None
         self._requests: dict[str, "Request"] = {}
 
@@ -119,7 +125,7 @@ class PrefixPoolConnector(KVConnectorBase_V1):
         self._requests[request.request_id] = request
         lora = request.lora_request.lora_name if request.lora_request is not None else None
         num = self.scheduler.num_matched(request.request_id, list(request.prompt_token_ids), request.cache_salt,
-                                         lora, num_computed_tokens)
+                                         lora, num_computed_tokens, handoff_of(request.kv_transfer_params))
         return num, bool(num) and self.scheduler.loads_in_background(request.request_id)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -143,6 +149,9 @@ class PrefixPoolConnector(KVConnectorBase_V1):
         return True
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Never delays freeing vLLM's blocks: what a decode server needs is in the pool already. A request
+        that asked for a handoff gets it in its output's kv_transfer_params."""
         self._requests.pop(request.request_id, None)
+        handoff = self.scheduler.handoff(request.request_id) if asks_for_handoff(request.kv_transfer_params) else None
         self.scheduler.finished(request.request_id)
-        return False, None
+        return False, None if handoff is None else handoff.params()

@@ -2,6 +2,7 @@
 
     get_num_new_matched_tokens(request, local)   keys of the prompt's full blocks (never its last token)
         etcd mirror: longest prefix per node ─▶ this node's pool, else the pool holding the most
+        (a handoff from a prefill server counts its pool as holding what it saved, published yet or not)
         ─▶ plan (keys[:n], peer URL or "") and n·block_size − local tokens (0 when n ≤ local)
     update_state_after_alloc                      the plan becomes a load into the request's blocks [local, n)
     reset()                                       vLLM reset the connector's cache: the next step's
@@ -9,6 +10,8 @@
     build_connector_meta(step)                    loads: every planned load, with vLLM block ids
                                                   saves: each scheduled request's full blocks that the
                                                   step completes, [saved, full), with keys chained on
+                                                  (none on a decode server: `saves` off)
+    handoff(request)                              a prefill server's answer: its pool, full blocks saved
 
 A plan that needs a peer, or blocks on this node's SSD tier, loads in the
 background (get_num_new_matched_tokens answers load_async=True: vLLM parks the
@@ -33,6 +36,7 @@ from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.meta.mirror import Mirror
 from prefixpool.vllm_connector.config import POOL_KIND, ConnectorConfig
+from prefixpool.vllm_connector.handoff import Handoff
 from prefixpool.vllm_connector.loop_thread import LoopThread
 from prefixpool.store.keys import BlockKey, Namespace, chain_from, pack_tokens
 
@@ -76,8 +80,8 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, namespace: Namespace) -> None:
-        self.config, self.namespace = config, namespace
+    def __init__(self, config: ConnectorConfig, namespace: Namespace, saves: bool = True) -> None:
+        self.config, self.namespace, self.saves = config, namespace, saves
         self.block_size = namespace.block_size
         self.node_id = config.pool_node_id()
         self._loop = LoopThread("prefixpool-scheduler")
@@ -96,15 +100,16 @@ class SchedulerSide:
         self._loop.close()
 
     def num_matched(self, request_id: str, tokens: list[int], salt: str | None, lora: str | None,
-                    num_local: int) -> int | None:  # fmt: skip
+                    num_local: int, handoff: Handoff | None = None) -> int | None:  # fmt: skip
         """Tokens beyond `num_local` the pool can supply now (whole blocks; the last prompt token never);
-        None while the lookup is still running (vLLM asks again next step)."""
+        None while the lookup is still running (vLLM asks again next step). `handoff`: a prefill server's
+        pool that saved this prompt's blocks (handoff.py)."""
         tracked = self._track(request_id, salt, lora)
         num_blocks = (len(tokens) - 1) // self.block_size
         keys = chain_from(tracked.namespace.root(), pack_tokens(tokens[: num_blocks * self.block_size]),
                           self.block_size)
         try:
-            plan = self._lookup(request_id, keys, tracked.num_peer_loads == 0) if keys else None
+            plan = self._lookup(request_id, keys, tracked.num_peer_loads == 0, handoff) if keys else None
         except _StillLooking:
             return None
         if plan is None or len(plan.keys) * self.block_size <= num_local:
@@ -119,11 +124,11 @@ class SchedulerSide:
         planned = self._plans.get(request_id)
         return self.config.async_load and planned is not None and bool(planned[0].peer_url or planned[0].on_disk)
 
-    def _lookup(self, request_id: str, keys: list[BlockKey], peers: bool) -> Plan | None:
+    def _lookup(self, request_id: str, keys: list[BlockKey], peers: bool, handoff: Handoff | None) -> Plan | None:
         """The plan, read on the mirror's own thread. Waits LOOKUP_WAIT_S for it, then raises _StillLooking
         (vLLM asks again next step) until lookup_timeout_s: past it the request computes without the pool."""
         started, lookup = (self._lookups.get(request_id)
-                           or (time.monotonic(), self._loop.submit(self._plan(keys, peers))))
+                           or (time.monotonic(), self._loop.submit(self._plan(keys, peers, handoff))))
         try:
             plan = lookup.result(LOOKUP_WAIT_S)
         except concurrent.futures.TimeoutError:
@@ -137,9 +142,12 @@ class SchedulerSide:
         self._lookups.pop(request_id, None)
         return plan
 
-    async def _plan(self, keys: list[BlockKey], peers_allowed: bool) -> Plan | None:
-        """This node's pool first; a peer's pool only where it holds strictly more (and the request may fetch)."""
+    async def _plan(self, keys: list[BlockKey], peers_allowed: bool, handoff: Handoff | None = None) -> Plan | None:
+        """This node's pool first; a peer's pool only where it holds strictly more (and the request may fetch).
+        A handoff's pool holds what its prefill server saved, whether etcd shows it yet or not."""
         matches = self._mirror.longest_prefix(keys)
+        if handoff is not None:
+            matches[handoff.pool] = max(matches.get(handoff.pool, 0), min(handoff.num_blocks, len(keys)))
         own = matches.get(self.node_id, 0)
         root = self.namespace.root().hex()
         peers = [(num, node_id) for node_id, num in matches.items() if node_id != self.node_id and num > own
@@ -176,7 +184,7 @@ class SchedulerSide:
                  for rid, (plan, first, background) in self._loads.items()]
         self._loads.clear()
         saves = []
-        for request_id, num_tokens in scheduled.items():
+        for request_id, num_tokens in scheduled.items() if self.saves else ():
             request, tracked = requests.get(request_id), self._tracked.get(request_id)
             if request is None or tracked is None:
                 continue
@@ -196,6 +204,14 @@ class SchedulerSide:
             tracked.keys.extend(chain_from(parent, pack_tokens(tokens), self.block_size))
         start, tracked.saved = tracked.saved, full
         return SaveOp(tracked.keys[start:full], block_ids[start:full])
+
+    def handoff(self, request_id: str) -> Handoff | None:
+        """What a prefill server tells the decode server of a finished request: this pool, and the full blocks
+        handed to it to save (each saved before vLLM finishes the request); None when nothing was saved."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or not tracked.saved or not self.saves:
+            return None
+        return Handoff(self.node_id, tracked.saved)
 
     def _track(self, request_id: str, salt: str | None, lora: str | None) -> _Tracked:
         if request_id not in self._tracked:

@@ -6,7 +6,8 @@ mirror's thread: while that thread is busy (the fault: a task that holds it),
 num_matched answers None, vLLM's "ask me again next step", instead of holding
 vLLM's scheduler; once the thread is free the same request gets its plan; past
 lookup_timeout_s a request is computed without the pool (0). A request fetches
-from a peer once.
+from a peer once. Prefill/decode: a handoff names the prefill server's pool and
+its saved blocks before etcd does; a decode side saves nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from prefixpool.meta.layout import Layout
 from prefixpool.meta.membership import Membership, MembershipConfig, NodeRecord
 from prefixpool.meta.publisher import Publisher
 from prefixpool.vllm_connector.config import POOL_KIND, ConnectorConfig
+from prefixpool.vllm_connector.handoff import Handoff
 from prefixpool.vllm_connector.scheduler import SchedulerSide
 from prefixpool.vllm_connector.loop_thread import LoopThread
 from prefixpool.store.keys import Namespace, chain
@@ -140,3 +142,49 @@ def test_a_load_from_the_own_pool_waits_in_the_background_only_when_blocks_are_o
     finally:
         side.close()
         own.close()
+
+
+def test_a_handoff_plans_the_prefill_pools_blocks_before_etcd_names_them(etcd, ns):
+    """Prefill/decode (handoff.py): the prefill server's pool saved 3 blocks that etcd does not show yet; the
+    decode server's lookup, given the handoff, plans them from that pool at once, in the background."""
+    prefill = PeerPool(etcd.endpoint, ns, [], node_id="p.pool")  # its record only: no block published
+    side = side_for(etcd, ns, lookup_timeout_s=60.0)
+    try:
+        def ask(request_id: str, handoff: Handoff | None) -> int:
+            deadline = time.monotonic() + 30.0
+            while not (num := side.num_matched(request_id, TOKENS, None, None, 0, handoff)):
+                assert time.monotonic() < deadline, "the handoff was never planned"
+                time.sleep(0.05)
+            return num
+
+        assert ask("r1", Handoff("p.pool", 3)) == 3 * BLOCK
+        assert side.loads_in_background("r1")
+        assert ask("r2", Handoff("p.pool", 7)) == 3 * BLOCK  # never past the prompt's full blocks
+        assert answer(side, "r3") == 0  # no handoff, nothing in etcd: computed
+        assert side.num_matched("r4", TOKENS, None, None, 0, Handoff("gone.pool", 3)) in (0, None)  # unknown pool
+        assert answer(side, "r4") == 0
+        assert side.num_matched("r5", TOKENS, None, None, 3 * BLOCK, Handoff("p.pool", 3)) in (0, None)  # held
+    finally:
+        side.close()
+        prefill.close()
+
+
+def test_a_decode_side_saves_nothing_and_a_prefill_side_hands_off_what_it_saved(etcd, ns):
+    class Request:
+        num_computed_tokens = 0
+        all_token_ids = TOKENS
+
+    config = ConnectorConfig(etcd_endpoints=etcd.endpoint, cluster=ns, node_id="b")
+    decode, prefill = SchedulerSide(config, NAMESPACE, saves=False), SchedulerSide(config, NAMESPACE)
+    try:
+        for side in (decode, prefill):
+            answer(side, "r")
+            loads, saves = side.step({"r": len(TOKENS)}, {"r": Request()}, lambda rid: list(range(10, 14)))
+            assert loads == []
+            assert [len(op.keys) for op in saves] == ([] if side is decode else [3])
+        assert decode.handoff("r") is None
+        assert prefill.handoff("r") == Handoff("b.pool", 3)
+        assert prefill.handoff("never-seen") is None
+    finally:
+        decode.close()
+        prefill.close()
