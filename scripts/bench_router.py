@@ -85,18 +85,20 @@ def _text(num_tokens: int, seed: int) -> str:
     return bytes(rng.integers(32, 127, num_tokens, dtype=np.uint8)).decode()
 
 
-def decisions_per_second(num_tokens: int, num_workers: int, seconds: float = 3.0) -> tuple[float, float, float]:
+def decisions_per_second(num_tokens: int, num_workers: int, seconds: float = 3.0,
+                         index_type=BlockIndex) -> tuple[float, float, float]:
     """(decisions per wall second, per CPU second of this thread, tokenization seconds per prompt), 16 prompts in turn.
 
     A decision is what the issue defines: hash the blocks, longest prefix over the index,
     cost policy over the workers (Router.prepare on ids already made, then Router.decide).
     Tokenization is timed on its own, over the same prompts. The CPU-second rate leaves out
-    the time other processes of a shared machine hold the core (not their cache traffic).
+    the time other processes of a shared machine hold the core (not their cache traffic). `index_type`: the
+    block index to route over (scripts/bench_index.py passes the old dict index too).
     """
     namespace = Namespace("tiny", block_size=16)
     workers = {f"w{i}": NodeRecord(f"w{i}", f"http://127.0.0.1:{9000 + i}", "tcp://127.0.0.1:1", 16, 1024, "tiny")
                for i in range(num_workers)}
-    index = BlockIndex()
+    index = index_type()
     prompts = [_text(num_tokens, i) for i in range(16)]
     for i, prompt in enumerate(prompts):  # every prompt cached on one or two workers, at different depths
         keys = chain(list(prompt.encode()), namespace)
