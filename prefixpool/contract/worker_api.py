@@ -109,6 +109,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams
     cache_salt: Name = ""
     fetch: FetchPlan | None = None
+    adapter: Name = ""  # a LoRA adapter to answer with (vLLM nodes: the request's `model`); "": the base model
 
     def __post_init__(self) -> None:  # decoding runs it too: a ragged packing is a DecodeError there
         if isinstance(self.tokens, bytes) and len(self.tokens) % TOKEN_DTYPE.itemsize:
@@ -228,6 +229,8 @@ def check_request(request: GenerateRequest, limits: RequestLimits) -> None:
         raise RequestRefused(f"request needs {num_blocks} blocks, the pool has {limits.num_blocks}", "max_tokens")
     if request.fetch is not None:
         _check_fetch(request.fetch, num_tokens // limits.block_size)
+    if request.adapter:  # the router sends adapters only to nodes that advertise them; ours advertise none
+        raise RequestRefused(f"this worker serves no LoRA adapters, not {request.adapter!r}", "adapter")
 
 
 def check_token_ids(ids: np.ndarray | list[int] | tuple[int, ...], limits: RequestLimits, param: str) -> None:

@@ -7,6 +7,8 @@
     prefixpool up --vllm 2 --model-path DIR         # vLLM servers (+ their vllm-node sidecars)
                                                     # instead of our workers, the same router
     prefixpool up --vllm 2 --vllm-connector ...     # and they share KV through PrefixPoolConnector
+    prefixpool up --vllm-prefill 1 --vllm-decode 1 --vllm-connector ...   # prefill/decode disaggregated vLLM
+    prefixpool up --vllm 2 --lora-modules A=DIR --lora-nodes 1 ...   # LoRA adapter A on vllm-0 only
 
 Each component is the same `prefixpool etcd|worker|router` a deployment runs;
 components bind port 0 and announce their URL on a READY line. Knows nothing
@@ -16,6 +18,7 @@ of what the components do.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -24,8 +27,8 @@ from pathlib import Path
 from prefixpool.deploy.etcd_server import EtcdServer
 from prefixpool.deploy.janitor import OwnedTempDir
 from prefixpool.deploy.processes import Child, python_argv, spawn
-from prefixpool.deploy.vllm_fleet import (add_vllm_arguments, model_args, on_node, sidecar_args, vllm_config,
-                                          vllm_temp_dir)
+from prefixpool.deploy.vllm_fleet import (add_vllm_arguments, model_args, num_vllm_servers, on_node, roles_of,
+                                          sidecar_args, vllm_config, vllm_temp_dir)
 from prefixpool.deploy.vllm_server import VllmConfig, VllmServer
 
 
@@ -41,9 +44,12 @@ class LocalCluster:
     routers: dict[str, Child] = field(default_factory=dict)
     vllm: VllmConfig | None = None  # with num_vllm > 0: vLLM servers and their sidecars
     num_vllm: int = 0
+    num_vllm_prefill: int = 0  # vLLM prefill servers (kv_producer) and decode servers (kv_consumer), beside num_vllm
+    num_vllm_decode: int = 0
     vllm_connector: bool = False  # each vLLM server loads and saves KV through PrefixPoolConnector
     connector_settings: dict = field(default_factory=dict)  # more of its kv_connector_extra_config
     sidecar_args: tuple[str, ...] = ()
+    lora_nodes: int | None = None  # only vllm-0 .. vllm-<lora_nodes - 1> load vllm.lora_modules; None: all
     vllm_servers: dict[str, VllmServer] = field(default_factory=dict)
     sidecars: dict[str, Child] = field(default_factory=dict)
 
@@ -55,7 +61,7 @@ class LocalCluster:
             self.etcd = EtcdServer().start()
             for i in range(self.num_workers):
                 self.start_worker(f"worker-{i}")
-            self.start_vllm([f"vllm-{i}" for i in range(self.num_vllm)])
+            self.start_vllm(list(self.vllm_roles))
             self.start_router("router")
         except BaseException:
             self.stop()
@@ -82,13 +88,22 @@ class LocalCluster:
 
     def vllm_config_for(self, node_id: str) -> VllmConfig:
         assert self.vllm is not None and self.etcd is not None
-        return on_node(self.vllm, node_id, self.etcd.endpoint, self.vllm_connector, self.connector_settings)
+        config = self.vllm
+        if self.lora_nodes is not None and node_id not in {f"vllm-{i}" for i in range(self.lora_nodes)}:
+            config = dataclasses.replace(config, lora_modules=())
+        return on_node(config, node_id, self.etcd.endpoint, self.vllm_connector, self.connector_settings,
+                       self.vllm_roles[node_id])
+
+    @property
+    def vllm_roles(self) -> dict[str, str]:
+        """vLLM node id -> its role (both, prefill, decode)."""
+        return roles_of(self.num_vllm, self.num_vllm_prefill, self.num_vllm_decode)
 
     def start_sidecar(self, node_id: str) -> Child:
         server = self.vllm_servers[node_id]
         assert self.vllm is not None and self.etcd is not None
-        child = spawn(f"{node_id}-sidecar", python_argv(*sidecar_args(node_id, server, self.etcd.endpoint, self.vllm,
-                                                                      self.sidecar_args)), self.log_dir, self.env)
+        argv = sidecar_args(node_id, server, self.etcd.endpoint, self.vllm, self.sidecar_args, self.vllm_roles[node_id])
+        child = spawn(f"{node_id}-sidecar", python_argv(*argv), self.log_dir, self.env)
         self.sidecars[node_id] = child
         return child
 
@@ -147,14 +162,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker (repeatable)")
     parser.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeatable)")
     parser.add_argument("--log-dir", default="", help="keep component logs here (default: a temp dir, removed at exit)")
+    parser.add_argument("--lora-nodes", type=int, default=None,
+                        help="--lora-modules: load them on the first N vLLM servers only (default: all)")
     add_vllm_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    workers = args.workers if args.workers is not None else (0 if args.vllm else 2)
+    workers = args.workers if args.workers is not None else (0 if num_vllm_servers(args) else 2)
     cluster = LocalCluster(workers, tuple(args.worker_arg), tuple(args.router_arg),
                            log_dir=Path(args.log_dir) if args.log_dir else None,
-                           vllm=vllm_config(args), num_vllm=args.vllm, vllm_connector=args.vllm_connector)
+                           vllm=vllm_config(args), num_vllm=args.vllm, vllm_connector=args.vllm_connector,
+                           num_vllm_prefill=args.vllm_prefill, num_vllm_decode=args.vllm_decode,
+                           lora_nodes=args.lora_nodes)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     with cluster:

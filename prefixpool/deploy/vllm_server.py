@@ -65,6 +65,8 @@ class VllmConfig:
     python: str = str(DEFAULT_PYTHON)
     host: str = ""  # the address vLLM binds; "": by the address rules (vllm_fleet.on_node), loopback without them
     kv_transfer_config: str = ""  # JSON for --kv-transfer-config (connector_config.kv_transfer_json); "" = none
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter dir): --enable-lora --lora-modules NAME=DIR
+    max_lora_rank: int = 16  # --max-lora-rank: the largest rank among the adapters
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -98,7 +100,15 @@ def argv(config: VllmConfig, port: int, events: str, replay: str) -> list[str]:
             "--kv-events-config", json.dumps(kv_events)]
     if config.kv_transfer_config:
         args += ["--kv-transfer-config", config.kv_transfer_config]
-    return args + list(config.extra_args)
+    return args + lora_flags(config) + list(config.extra_args)
+
+
+def lora_flags(config: VllmConfig) -> list[str]:
+    """vLLM's LoRA flags: every adapter loaded at start, all of them servable in one batch."""
+    if not config.lora_modules:
+        return []
+    return ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in config.lora_modules),
+            "--max-lora-rank", str(config.max_lora_rank), "--max-loras", str(len(config.lora_modules))]
 
 
 def child_env() -> dict[str, str]:

@@ -108,6 +108,12 @@ class Membership:
         self._record_dirty = True
         self._wake.set()
 
+    def update_adapters(self, adapters: tuple[str, ...]) -> None:
+        """Non-blocking: the LoRA adapters the node serves now; the record is re-put by the background task."""
+        self.record = msgspec.structs.replace(self.record, adapters=adapters)
+        self._record_dirty = True
+        self._wake.set()
+
     def lease_lost(self, lease_id: int) -> None:
         """A writer saw LeaseNotFound for lease_id: rotate unless that lease was already replaced."""
         if lease_id == self.lease_id:

@@ -4,6 +4,8 @@
     node record namespace == ""         -> a candidate (a node that does not say: trusted as before)
     anything else                       -> refused, with the reason, so /v1/route and the 503 say why
 
+A request naming a LoRA adapter goes only to the candidates that advertise it
+(their record's `adapters`); the base model's requests go to any candidate.
 A vLLM node and one of our workers may serve the same cluster only when they
 hash the same model, dtype and block size; otherwise their keys could never
 match ours and routing on them would be blind. Also: which nodes can take
@@ -76,3 +78,22 @@ def transfer_nodes(workers: Mapping[str, object], pools: Mapping[str, object] = 
         return frozenset(pools) | frozenset(n for n in workers if n + POOL_SUFFIX in pools)
     own = frozenset(n for n, w in workers.items() if kind_of(w) == OWN_KIND)
     return None if len(own) == len(workers) else own
+
+
+def adapters_of(workers: Mapping[str, object]) -> dict[str, list[str]]:
+    """LoRA adapter -> the nodes serving it (NodeRecord.adapters: vLLM's --lora-modules names), names sorted."""
+    served: dict[str, list[str]] = {}
+    for node_id in sorted(workers):
+        for adapter in getattr(workers[node_id], "adapters", ()):
+            served.setdefault(adapter, []).append(node_id)
+    return dict(sorted(served.items()))
+
+
+def serving(workers: Mapping[str, W], adapter: str | None) -> dict[str, W]:
+    """The nodes that can serve a request for `adapter` (None: the base model, which every candidate serves).
+
+    An adapter's KV differs from the base model's and vLLM answers 404 for an adapter it was not
+    started with, so a request naming one goes only to nodes that advertise it."""
+    if adapter is None:
+        return dict(workers)
+    return {n: w for n, w in workers.items() if adapter in getattr(w, "adapters", ())}

@@ -24,6 +24,7 @@ from prefixpool.router.openai_logprobs import LogprobsShape
 from prefixpool.router.errors import APIError, InternalError, InvalidRequest, RouteNotFound, ServiceUnavailable
 from prefixpool.contract.drain import Drain, DrainDeadline, Draining
 from prefixpool.router.openai_schema import ChatBody, CompletionBody, RouteBody, decode
+from prefixpool.router.served_models import listing
 from prefixpool.router.service import Prepared, Router
 from prefixpool.contract.worker_api import Done, Event, Failed, Token
 
@@ -191,8 +192,7 @@ def _logprobs_shape(router: Router, prepared: Prepared) -> LogprobsShape | None:
 
 async def models(request: web.Request) -> web.Response:
     router = _router(request)
-    return json_response({"object": "list", "data": [
-        {"id": router.model, "object": "model", "created": 0, "owned_by": "prefixpool"}]})
+    return json_response({"object": "list", "data": listing(router.model, router.live_workers())})
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -2,7 +2,7 @@
 
     tokenize(body) the prompt (chat template first) straight into int32 ids
     prepare(body)  tokenize, check model / context / vocabulary, hash the block keys:
-                   the only hash of the request
+                   the only hash of the request (a LoRA adapter's in its own namespace)
     explain(req)   keys -> index.longest_prefix -> policy.choose, with every term
     generate(req)  choose -> POST worker /generate -> events; a worker that fails
                    before streaming anything (unreachable, a 503 while it drains, a 5xx
@@ -28,7 +28,7 @@ from typing import AsyncIterator, Iterable, Protocol, Sequence
 import msgspec
 import numpy as np
 
-from prefixpool.router.errors import APIError, InvalidRequest, ModelNotFound, ServiceUnavailable, Unauthorized
+from prefixpool.router.errors import APIError, InvalidRequest, ServiceUnavailable, Unauthorized
 from prefixpool.router.inflight import InflightTracker
 from prefixpool.router.metrics import RouterMetrics
 from prefixpool.router.openai_schema import ChatBody, CompletionBody, RouteBody, requested_logprobs, requested_tokens
@@ -37,7 +37,8 @@ from prefixpool.router.detokenizer import TokenTexts
 from prefixpool.router.policy import NodeLoad, Plan, Policy, RouteRequest, policies, reusable_blocks
 from prefixpool.model.chat_template import ChatTemplateError
 from prefixpool.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Token, Usage
-from prefixpool.router.fleet import admit, kind_of, pools_of, transfer_nodes, with_own_pools
+from prefixpool.router.fleet import admit, kind_of, pools_of, serving, transfer_nodes, with_own_pools
+from prefixpool.router.served_models import adapter_for
 from prefixpool.router.worker_client import WorkerClient, WorkerUnreachable
 from prefixpool.store.keys import TOKEN_DTYPE, BlockKey, Namespace, chain_from
 
@@ -57,6 +58,7 @@ class ClusterView(Protocol):
     def lower_tiers(self, node_id: str, keys: Iterable[BlockKey]) -> dict[str, int]: ...
     def workers(self) -> dict[str, WorkerInfo]: ...
     def fleet_share(self, worker: str, exclude: str) -> tuple[int, int]: ...
+    def held_blocks(self, node_id: str) -> int: ...
     def report_revision(self, node_id: str) -> int: ...
     def num_keys(self) -> int: ...
     def lag_s(self) -> float: ...
@@ -72,7 +74,7 @@ class Tokenizer(Protocol):
 @dataclass(frozen=True)
 class Prepared:
     request_id: str
-    model: str
+    model: str  # as the client named it: the base model or a LoRA adapter (answers carry it back)
     chat: bool
     stream: bool
     include_usage: bool
@@ -80,6 +82,7 @@ class Prepared:
     keys: list[BlockKey]  # hashed once, in prepare
     sampling: SamplingParams
     cache_salt: str
+    adapter: str | None = None  # the LoRA adapter `model` names; None: the base model
 
     @property
     def tokens(self) -> list[int]:
@@ -117,7 +120,8 @@ class Router:
         self.inflight = InflightTracker()
         self.rng = rng or random.Random(0)
         self._choose: Policy = available[config.policy]
-        self._root = functools.lru_cache(maxsize=4096)(lambda salt: config.namespace.with_salt(salt).root())
+        self._root = functools.lru_cache(maxsize=4096)(
+            lambda salt, adapter: config.namespace.for_request(salt, adapter).root())  # as the vLLM sidecar keys
         self.token_text = TokenTexts(tokenizer.decode)  # each token's own text, for logprobs answers
 
     # -- requests ------------------------------------------------------------------------------
@@ -128,11 +132,8 @@ class Router:
 
     def prepare(self, body: CompletionBody | ChatBody | RouteBody, ids: np.ndarray | None = None) -> Prepared:
         """A checked, hashed request; `ids` are its tokenize(body) when the caller already has them."""
-        if body.model != self.model:
-            raise ModelNotFound(f"model {body.model!r} does not exist; this router serves {self.model!r} "
-                                "(LoRA adapters, named like models, are not routed: their KV differs from the "
-                                "base model's, so its cache index cannot hold them)",
-                                param="model", code="model_not_found")
+        adapter = None if body.model == self.model else adapter_for(body.model, self.model, self.live_workers(),
+                                                                     self.view.workers())
         if ids is None:
             ids = self.tokenize(body)
         max_tokens = requested_tokens(body, self.config.default_max_tokens)
@@ -142,11 +143,11 @@ class Router:
                 f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens", code="context_length_exceeded")
         if (top := int(ids.max())) >= self.config.vocab_size:
             raise InvalidRequest(f"token id {top} is outside the vocabulary ({self.config.vocab_size})", param="prompt")
-        keys = chain_from(self._root(body.cache_salt), ids, self.config.namespace.block_size)  # reads ids' buffer
+        keys = chain_from(self._root(body.cache_salt, adapter), ids, self.config.namespace.block_size)  # reads ids
         options = getattr(body, "stream_options", None)
         return Prepared(  # the id: a uuid4's randomness, without building a UUID
             request_id=f"{'chatcmpl' if isinstance(body, ChatBody) else 'cmpl'}-{os.urandom(16).hex()}",
-            model=self.model, chat=isinstance(body, ChatBody), stream=getattr(body, "stream", False),
+            model=body.model, adapter=adapter, chat=isinstance(body, ChatBody), stream=getattr(body, "stream", False),
             include_usage=bool(options and options.include_usage), ids=ids, keys=keys, cache_salt=body.cache_salt,
             sampling=SamplingParams(max_tokens=max_tokens, temperature=getattr(body, "temperature", 0.0),
                                     top_p=getattr(body, "top_p", 1.0), seed=getattr(body, "seed", None),
@@ -183,7 +184,11 @@ class Router:
 
     def decide(self, prepared: Prepared, exclude: frozenset[str] = frozenset(),
                explain: bool = False) -> tuple[Plan, dict[str, int]]:
-        workers = {n: w for n, w in self.live_workers().items() if n not in exclude}
+        live = {n: w for n, w in self.live_workers().items() if n not in exclude}
+        workers = serving(live, prepared.adapter)
+        if live and not workers:
+            raise ServiceUnavailable(f"no live node serves LoRA adapter {prepared.adapter!r} now; retry later",
+                                     code="no_worker")
         if not workers:
             refused = self.refused_workers()
             if refused:
@@ -196,7 +201,7 @@ class Router:
         matches = with_own_pools(matches, workers)
         loads = {n: self._load(n, w) for n, w in workers.items()}
         request = RouteRequest(len(prepared.ids), len(keys), self._lower_tiers(keys, matches),
-                               transfer_nodes(workers, pools))
+                               transfer_nodes(workers, pools), keys)
         return self._choose(request, matches, loads, self.costs, self.rng, explain=explain), matches
 
     def _lower_tiers(self, keys: list[BlockKey], matches: dict[str, int]) -> dict[str, dict[str, int]]:
@@ -217,13 +222,19 @@ class Router:
         published = own.published_revision
         if published is not None and self.view.report_revision(node_id) > published:
             requests = max(requests, worker.num_running + worker.num_queued)
-        return NodeLoad(queued_prefill_tokens=own.queued_prefill_tokens + queued_tokens, num_running=requests)
+        return NodeLoad(queued_prefill_tokens=own.queued_prefill_tokens + queued_tokens, num_running=requests,
+                        free_blocks=self._free_blocks(node_id, worker))
+
+    def _free_blocks(self, node_id: str, worker: WorkerInfo) -> int | None:
+        """Cache blocks of the node that hold no block the index names (None: the node does not say its size)."""
+        num_blocks = getattr(worker, "num_blocks", 0)
+        return max(0, num_blocks - self.view.held_blocks(node_id)) if num_blocks else None
 
     def explain(self, prepared: Prepared) -> dict:
         plan, matches = self.decide(prepared, explain=True)
         loads = {n: self._load(n, w) for n, w in self.live_workers().items()}
         return {"num_prompt_tokens": len(prepared.ids), "num_blocks": len(prepared.keys),
-                "policy": self.config.policy, "matches": matches,
+                "policy": self.config.policy, "adapter": prepared.adapter, "matches": matches,
                 "lower_tiers": self._lower_tiers(prepared.keys, matches),
                 "loads": {n: {"requests": load.num_running, "queued_prefill_tokens": load.queued_prefill_tokens}
                           for n, load in loads.items()},
@@ -304,7 +315,7 @@ class Router:
             sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(emitted))
         return GenerateRequest(
             request_id=prepared.request_id, tokens=_packed(prepared.ids, emitted), sampling=sampling,
-            cache_salt=prepared.cache_salt, fetch=fetch,
+            cache_salt=prepared.cache_salt, fetch=fetch, adapter=prepared.adapter or "",
         )
 
     def failure(self, event: Failed) -> APIError:

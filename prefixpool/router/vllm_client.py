@@ -1,6 +1,7 @@
 """The router's client for vLLM nodes: the worker client's events, from vLLM's own OpenAI API.
 
     GenerateRequest (token ids the router hashed) ─▶ POST {vllm}/v1/completions
+        model = its LoRA adapter if it names one (vLLM serves adapters by name), else the base model
         prompt = those token ids, stream, include_usage, return_token_ids
         (logprobs N asked: logprobs N, return_tokens_as_token_ids)
     SSE chunks ─▶ Token per generated id ─▶ Done(usage: vLLM's cached_tokens as local hits)
@@ -45,8 +46,9 @@ class VllmClient:
 
     def body(self, request: GenerateRequest) -> dict:
         sampling = request.sampling
-        body = {"model": self.model, "prompt": request.token_list(), "max_tokens": sampling.max_tokens,
-                "temperature": sampling.temperature, "top_p": sampling.top_p, "ignore_eos": sampling.ignore_eos,
+        body = {"model": request.adapter or self.model, "prompt": request.token_list(),
+                "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "ignore_eos": sampling.ignore_eos,
                 "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
         if sampling.stop_token_ids:
             body["stop_token_ids"] = list(sampling.stop_token_ids)

@@ -1,10 +1,13 @@
 """A vLLM server as a prefixpool node: its etcd record and lease, its blocks learned from KV events.
 
-    wait for vLLM /health ─▶ register (record kind "vllm", lease) ─▶ two loops:
+    wait for vLLM /health ─▶ /v1/models: our model, and the LoRA adapters whose parent it is
+                         ─▶ register (record kind "vllm", its adapters, lease) ─▶ loops:
       events:  EventStream ─▶ Ledger.apply ─▶ Publisher.publish(stored, removed)
                RESET (history lost, vLLM restarted) ─▶ every key removed, relearn from here
       health:  GET /health every period; `max_failures` misses in a row ─▶ revoke the lease
                (etcd drops the record and every block now), clear; vLLM back ─▶ register again
+               every `adapters_period_s`: /v1/models again; adapters loaded or unloaded at runtime
+               (vLLM's /v1/load_lora_adapter) re-put the record
       load:    GET /metrics (requests waiting, running) ─▶ the record's load fields, as our workers do
 
 If this sidecar dies, its lease expires and etcd drops the blocks by itself.
@@ -14,10 +17,12 @@ Knows nothing of the router or of how vLLM is started.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import dataclass
 
 import aiohttp
+import msgspec
 
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
@@ -42,6 +47,7 @@ class HealthConfig:
     # late then: a slow answer is not a dead server (a dead one refuses at once: max_failures periods)
     timeout_s: float = 5.0
     load_period_s: float = 0.2  # how often vLLM's /metrics is read for the record's load
+    adapters_period_s: float = 5.0  # how often vLLM's /v1/models is read again for its LoRA adapters
 
 
 class ModelMismatch(ValueError):
@@ -95,10 +101,12 @@ class VllmNode:
 
     async def _follow_health(self) -> None:
         failures = 0
-        while True:
+        adapters_every = max(1, round(self.health.adapters_period_s / self.health.period_s))
+        for beat in itertools.count(1):
             healthy = await self._healthy()
             failures = 0 if healthy else failures + 1
-            if healthy and not self.registered.is_set() and await self._serves_our_model():
+            if healthy and not self.registered.is_set() and (adapters := await self._served_adapters()) is not None:
+                self.membership.record = msgspec.structs.replace(self.membership.record, adapters=adapters)
                 await self.membership.start()
                 self.registered.set()
                 log.info("vLLM at %s is up: node %s registered", self.vllm_url, self.membership.record.node_id)
@@ -108,20 +116,30 @@ class VllmNode:
                 self.registered.clear()
                 self.ledger.clear()
                 await self.membership.stop()
+            elif healthy and self.registered.is_set() and beat % adapters_every == 0:
+                await self._refresh_adapters()
             await asyncio.sleep(self.health.period_s)
 
-    async def _serves_our_model(self) -> bool:
-        """True when vLLM lists our model; False when it could not be asked; ModelMismatch when it serves another."""
+    async def _refresh_adapters(self) -> None:
+        adapters = await self._served_adapters()
+        if adapters is not None and adapters != self.membership.record.adapters:
+            log.info("vLLM at %s now serves LoRA adapters %s", self.vllm_url, list(adapters))
+            self.membership.update_adapters(adapters)
+
+    async def _served_adapters(self) -> tuple[str, ...] | None:
+        """The LoRA adapters vLLM serves on our model (sorted); None when it could not be asked; ModelMismatch
+        when it does not serve our model."""
         assert self._session is not None
         try:
             async with self._session.get(f"{self.vllm_url}/v1/models") as response:
-                served = [m["id"] for m in (await response.json()).get("data", [])]
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError):
-            return False
-        if self.membership.record.model not in served:
-            raise ModelMismatch(f"vLLM at {self.vllm_url} serves {served}, not {self.membership.record.model!r}: "
-                                f"start it with --served-model-name {self.membership.record.model}")
-        return True
+                listed = [(m["id"], m.get("parent")) for m in (await response.json()).get("data", [])]
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        model = self.membership.record.model
+        if (model, None) not in listed:
+            raise ModelMismatch(f"vLLM at {self.vllm_url} serves {[name for name, _ in listed]}, not {model!r}: "
+                                f"start it with --served-model-name {model}")
+        return tuple(sorted(name for name, parent in listed if parent == model))
 
     async def _healthy(self) -> bool:
         assert self._session is not None
