@@ -27,6 +27,7 @@ from prefixpool.vllm_sidecar.node import KIND, HealthConfig, VllmNode
 from prefixpool.store.keys import Namespace
 
 log = logging.getLogger(__name__)
+ROLES = ("both", "prefill", "decode")  # NodeRecord.role
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,10 +46,12 @@ def namespace_of(settings: VllmNodeSettings) -> Namespace:
 
 
 def build_node(settings: VllmNodeSettings, etcd: EtcdClient) -> VllmNode:
+    if settings.role not in ROLES:
+        raise SystemExit(f"--role {settings.role!r}: choose from {', '.join(ROLES)}")
     namespace = namespace_of(settings)
     node_id = settings.node_id or f"vllm-{socket.gethostname()}-{os.getpid()}"
     record = NodeRecord(node_id, settings.vllm_url.rstrip("/"), "", settings.block_size, 0, settings.model,
-                        kind=KIND, namespace=namespace.root().hex())
+                        kind=KIND, namespace=namespace.root().hex(), role=settings.role)
     stream = EventStream(StreamConfig(settings.kv_events, settings.replay_endpoint, settings.kv_topic))
     return VllmNode(etcd, Layout(settings.cluster), record, namespace, stream,
                     MembershipConfig(ttl_s=settings.lease_ttl_s),

@@ -80,10 +80,14 @@ def config_from(extra: Mapping[str, Any], engine_id: str = "") -> ConnectorConfi
     return config
 
 
-def kv_transfer_json(extra: Mapping[str, Any]) -> str:
-    """vLLM's --kv-transfer-config for this connector with `extra` as its settings (checked here first)."""
+KV_ROLES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}  # node role -> vLLM's kv_role
+
+
+def kv_transfer_json(extra: Mapping[str, Any], role: str = "both") -> str:
+    """vLLM's --kv-transfer-config for this connector with `extra` as its settings (checked here first);
+    `role` is the node's (prefill: kv_producer, decode: kv_consumer, both: kv_both)."""
     config_from(extra)
     return json.dumps({"kv_connector": "PrefixPoolConnector",
                        "kv_connector_module_path": "prefixpool.vllm_connector.connector",
-                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                       "kv_role": KV_ROLES[role], "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": dict(extra)})
