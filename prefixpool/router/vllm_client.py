@@ -11,6 +11,12 @@
     vLLM 4xx  ─▶ Failed(vLLM's message, same status): the client gets vLLM's error, as an OpenAI error
     vLLM 5xx, connection lost before a token ─▶ WorkerUnreachable (the router retries elsewhere)
 
+    prefill(url, request) ─▶ the prompt alone, max_tokens 1, not streamed, kv_transfer_params
+        {"do_remote_decode": true} (vLLM's key): a prefill server's connector saves the prompt's blocks
+        into its pool and answers where they are (its kv_transfer_params); generate(decode url, request,
+        those params) then loads them there instead of computing them. A prefill that fails answers None:
+        the decode server computes the prompt itself (slower, never wrong).
+
 Sending token ids rather than text makes vLLM compute exactly the blocks the
 router routed on: the keys it predicted are the keys vLLM's events report.
 The fetch part of a plan is ignored (vLLM reads only its own cache). Knows
@@ -20,6 +26,7 @@ nothing of routing or etcd.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import AsyncIterator, Sequence
 
@@ -27,6 +34,9 @@ import aiohttp
 
 from prefixpool.contract.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage
 from prefixpool.router.worker_client import WorkerUnreachable
+
+log = logging.getLogger(__name__)
+HANDOFF_ASK = "do_remote_decode"  # vLLM's kv_transfer_params key (prefixpool/vllm_connector/handoff.py reads it)
 
 
 class VllmClient:
@@ -61,10 +71,33 @@ class VllmClient:
             body["return_tokens_as_token_ids"] = True
         return body
 
-    async def generate(self, vllm_url: str, request: GenerateRequest) -> AsyncIterator[Event]:
-        start = time.perf_counter()
+    async def prefill(self, vllm_url: str, request: GenerateRequest) -> dict | None:
+        """Compute the prompt on a prefill server; the kv_transfer_params its connector answered, or None."""
+        body = {**self.body(request), "max_tokens": 1, "stream": False, "kv_transfer_params": {HANDOFF_ASK: True}}
+        for key in ("stream_options", "return_token_ids", "logprobs", "return_tokens_as_token_ids"):
+            body.pop(key, None)
         try:
-            async with self._client().post(f"{vllm_url}/v1/completions", json=self.body(request)) as response:
+            async with self._client().post(f"{vllm_url}/v1/completions", json=body) as response:
+                if response.status != 200:
+                    text = (await response.text())[:200]
+                    log.warning("prefill on %s answered %d: %s; the decode server computes the prompt", vllm_url,
+                                response.status, text)
+                    return None
+                params = (await response.json()).get("kv_transfer_params")
+        except (aiohttp.ClientError, ConnectionError, TimeoutError, ValueError) as err:
+            log.warning("prefill on %s failed: %r; the decode server computes the prompt", vllm_url, err)
+            return None
+        return params if isinstance(params, dict) else None
+
+    async def generate(self, vllm_url: str, request: GenerateRequest,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[Event]:
+        """`kv_transfer_params`: a prefill server's answer (prefill()), for the decode server's connector."""
+        start = time.perf_counter()
+        body = self.body(request)
+        if kv_transfer_params:
+            body["kv_transfer_params"] = kv_transfer_params
+        try:
+            async with self._client().post(f"{vllm_url}/v1/completions", json=body) as response:
                 if response.status != 200:
                     yield _failure(response.status, await response.text())
                     return
