@@ -49,6 +49,7 @@ class Mirror:
         self.revision = 0  # everything up to this etcd revision is applied
         self.num_resyncs = self.num_events = self.num_skipped = 0
         self.applied_at = 0.0  # time.monotonic() of the latest applied batch
+        self.connected = False  # a snapshot loaded and no etcd error since (index shards ignore a shard without)
         self._watch: Watch | None = None
         self._task: asyncio.Task | None = None
 
@@ -108,6 +109,7 @@ class Mirror:
             except RevisionCompacted as error:
                 log.warning("mirror: %s; taking a fresh snapshot", error)
             except EtcdError as error:
+                self.connected = False
                 log.warning("mirror: etcd: %s; resync in %.1fs", error, self.config.retry_s)
                 await asyncio.sleep(self.config.retry_s)
             finally:
@@ -120,6 +122,7 @@ class Mirror:
         for kv in snapshot.kvs:
             self._put(kv.key, kv.value, kv.mod_revision)
         self.revision = snapshot.revision
+        self.connected = True
         self.num_resyncs += 1
         self.applied_at = time.monotonic()
         log.info("mirror: snapshot at revision %d: %d nodes, %d blocks", snapshot.revision, len(self.nodes),

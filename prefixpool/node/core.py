@@ -2,7 +2,8 @@
 
     core = await NodeCore.open(blocks, arena, config, record)
         transfer server on config.transfer_url, serving any tier (through config.faults' source)
-        record + the transfer URL peers reach   -> Membership (the node's lease) + Publisher
+        record + the transfer URL peers reach   -> Membership (the node's lease) + Publisher, or with
+                                                   index shards one of each per shard (meta/shards.py)
         exchange: fetch from peers, publish placement (node/exchange.py)
     found = await core.join()      SSD files from an earlier run indexed, then registered: the
                                    record and every block (those found included) under the lease;
@@ -28,8 +29,8 @@ import msgspec
 from prefixpool.meta.background import stop_task
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
-from prefixpool.meta.membership import Membership, MembershipConfig, NodeRecord
-from prefixpool.meta.publisher import Publisher
+from prefixpool.meta.membership import MembershipConfig, NodeRecord
+from prefixpool.meta.shards import node_index
 from prefixpool.node.exchange import BlockExchange
 from prefixpool.node.faults import Faults
 from prefixpool.store.arena import KVArena
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class NodeConfig:
     etcd_endpoints: str = "127.0.0.1:2379"
+    etcd_shards: tuple[str, ...] = ()  # index shards' endpoints, shard 0 first (meta/shards.py); () = etcd_endpoints
     cluster: str = "default"  # the etcd namespace (Layout)
     transfer_url: str = "tcp://127.0.0.1:0"  # where the transfer server binds (port 0: a free one)
     advertise_host: str = ""  # the host peers are told (default: the one bound)
@@ -62,10 +64,10 @@ class NodeCore:
         self.blocks, self.arena, self.config = blocks, arena, config
         self.source, self.server = source, server
         self.fetcher = Fetcher(config.token)
-        self.etcd = EtcdClient(config.etcd_endpoints)
-        self.membership = Membership(self.etcd, Layout(config.cluster), record,
-                                     MembershipConfig(ttl_s=config.lease_ttl_s))
-        self.publisher = Publisher(self.etcd, self.membership, blocks.entries)
+        self.clients = [EtcdClient(endpoints) for endpoints in config.etcd_shards or (config.etcd_endpoints,)]
+        self.etcd = self.clients[0]  # the home shard (the only one unless index shards are on)
+        self.membership, self.publisher = node_index(self.clients, Layout(config.cluster), record, blocks.entries,
+                                                     MembershipConfig(ttl_s=config.lease_ttl_s))
         self.exchange = BlockExchange(blocks, arena, self.publisher, self.fetcher)
         self._collect: asyncio.Task | None = None
 
@@ -103,7 +105,8 @@ class NodeCore:
         await self.leave()
         await self.server.close()
         await self.fetcher.close()
-        await self.etcd.close()
+        for client in self.clients:
+            await client.close()
         self.blocks.close()
 
     async def _collect_ssd(self) -> None:

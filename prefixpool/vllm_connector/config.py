@@ -19,6 +19,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from prefixpool.meta.shards import parse_shards
 from prefixpool.store.keys import Namespace
 
 POOL_KIND = "vllm-pool"  # a node record that holds and serves blocks but takes no requests
@@ -31,6 +32,7 @@ class BadConnectorConfig(ValueError):
 @dataclass(frozen=True)
 class ConnectorConfig:
     etcd_endpoints: str = "127.0.0.1:2379"
+    etcd_shards: str = ""  # index shards' endpoints, ';' between shards, shard 0 first (meta/shards.py); "": one
     cluster: str = "default"  # the etcd namespace (Layout), as --cluster elsewhere
     node_id: str = ""  # the vLLM node's id; the pool registers as "<node_id>.pool" (default: host + engine id)
     model: str = ""  # the name keys are namespaced under (default: vLLM's served model name)
@@ -49,6 +51,10 @@ class ConnectorConfig:
     fetch_timeout_s: float = 5.0  # one peer fetch; past it the request recomputes
     lookup_timeout_s: float = 1.0  # the scheduler's wait for its etcd mirror's thread, per request
     fault_file: str = ""  # fault injection for tests: prefixpool/node/faults.py reads it per fetch served
+
+    def shard_endpoints(self) -> tuple[str, ...]:
+        """Each index shard's etcd endpoints, shard 0 first (one shard: etcd_endpoints)."""
+        return parse_shards(self.etcd_shards) or (self.etcd_endpoints,)
 
     def pool_node_id(self) -> str:
         return f"{self.node_id}.pool"
@@ -75,6 +81,10 @@ def config_from(extra: Mapping[str, Any], engine_id: str = "") -> ConnectorConfi
     if not values.get("node_id"):
         values["node_id"] = f"vllm-{socket.gethostname()}-{engine_id[:8]}"
     config = ConnectorConfig(**values)
+    try:
+        config.shard_endpoints()
+    except ValueError as err:
+        raise BadConnectorConfig(f"kv_connector_extra_config['etcd_shards']: {err}") from None
     if config.ssd_write_through and config.disk_tier_blocks <= 0:
         raise BadConnectorConfig("ssd_write_through needs an SSD tier (disk_tier_blocks > 0, disk_tier_dir)")
     return config

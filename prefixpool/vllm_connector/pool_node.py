@@ -83,7 +83,8 @@ def _tier_sizes(config: ConnectorConfig) -> TierSizes:
 
 
 def _node_config(config: ConnectorConfig) -> NodeConfig:
-    return NodeConfig(etcd_endpoints=config.etcd_endpoints, cluster=config.cluster,
+    return NodeConfig(etcd_endpoints=config.etcd_endpoints, etcd_shards=config.shard_endpoints(),
+                      cluster=config.cluster,
                       transfer_url=f"{config.transfer}://{config.host}:{config.transfer_port}",
                       advertise_host=config.advertise_host, token=config.token, lease_ttl_s=config.lease_ttl_s,
                       faults=Faults(fault_file=config.fault_file))
