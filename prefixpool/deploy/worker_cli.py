@@ -29,7 +29,6 @@ from prefixpool.deploy.addresses import WILDCARDS, AddressError, advertise_host,
 from prefixpool.engine.scheduler import Engine
 from prefixpool.meta.load_report import Load, report_load
 from prefixpool.meta.membership import NodeRecord
-from prefixpool.meta.roles import ROLES
 from prefixpool.model.config import arena_shape_for
 from prefixpool.engine.torch_dtype import resolve_device, torch_dtype
 from prefixpool.engine.checkpoint import build_model
@@ -57,9 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     start_logging()
     settings = from_args(WorkerSettings, args)
-    if settings.role not in ROLES:
-        print(f"prefixpool worker: --role {settings.role!r} is not one of {', '.join(ROLES)}", file=sys.stderr)
-        return 2
     try:
         host = bind_host(settings.host, settings.etcd_endpoints)
         advertise = advertise_host(host, settings.advertise_host, settings.etcd_endpoints)
@@ -106,7 +102,7 @@ async def serve(settings: WorkerSettings, host: str, advertise: str) -> None:
     http_socket = _bind(host, settings.port)  # bound first: the record needs the real port
     http_url = f"http://{advertise}:{http_socket.getsockname()[1]}"
     record = NodeRecord(node_id, http_url, "", settings.block_size, settings.num_blocks, settings.model,
-                        namespace=engine.namespace.root().hex(), role=settings.role)
+                        namespace=engine.namespace.root().hex())
     core = await NodeCore.open(engine.blocks, engine.arena, node_config(settings, host, advertise), record)
     worker = Worker(engine, core.exchange, settings.fetch_timeout_s,
                     WorkerPeriods(soft_refresh_s=settings.soft_pin_refresh_s),
