@@ -39,6 +39,7 @@ from prefixpool.model.chat_template import ChatTemplateError
 from prefixpool.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Token, Usage
 from prefixpool.router.fleet import admit, kind_of, pools_of, serving, transfer_nodes, with_own_pools
 from prefixpool.router.served_models import adapter_for
+from prefixpool.router.vllm_pair import is_vllm_pair, pair_stream
 from prefixpool.router.worker_client import WorkerClient, WorkerUnreachable
 from prefixpool.store.keys import TOKEN_DTYPE, BlockKey, Namespace, chain_from
 
@@ -262,7 +263,7 @@ class Router:
             streamed = False
             try:
                 client = self.kind_clients.get(kind_of(worker), self.client)
-                stream = client.generate(worker.http_url, self._worker_request(prepared, plan, emitted))
+                stream = self._stream(client, worker, plan, self._worker_request(prepared, plan, emitted))
                 async with contextlib.aclosing(stream):  # a client gone closes the worker's stream now
                     async for event in stream:
                         if isinstance(event, Failed) and not streamed and event.status >= 500:
@@ -292,6 +293,15 @@ class Router:
             yield refused
             return
         raise ServiceUnavailable(f"no worker answered after {len(excluded)} attempts", code="workers_failed")
+
+    def _stream(self, client: WorkerClient, worker: WorkerInfo, plan: Plan,
+                request: GenerateRequest) -> AsyncIterator[Token | Done | Failed]:
+        """The streaming node's events; a vLLM prefill/decode pair first runs the prompt on its prefill server."""
+        prefill = getattr(plan, "prefill", None)  # a conductor's PDPlan: the prefill node's Plan (None: in place)
+        node = self.live_workers().get(prefill.worker) if prefill is not None else None
+        if node is not None and is_vllm_pair(kind_of(node), kind_of(worker)):
+            return pair_stream(client, node.http_url, worker.http_url, request)
+        return client.generate(worker.http_url, request)
 
     def _observe(self, prepared: Prepared, plan: Plan, u: Usage, held_blocks: int) -> None:
         """`held_blocks`: the longest prefix of this prompt any candidate held when it was routed."""
