@@ -43,6 +43,7 @@ class EtcdServerConfig:
     name: str = "prefixpool"
     start_timeout_s: float = 20.0
     log_level: str = "error"
+    max_txn_ops: int = 1024  # etcd's default is 128; EtcdClient tries LARGE_TXN_OPS (this) per txn first
 
 
 def find_binary(name: str = "etcd") -> str:
@@ -104,6 +105,7 @@ class EtcdServer:
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"{self.config.name}={peer_url}",
             "--log-level", self.config.log_level,
+            "--max-txn-ops", str(self.config.max_txn_ops),
         ]  # fmt: skip
 
     def start(self) -> "EtcdServer":

@@ -1,7 +1,9 @@
 """The one door to etcd: a thin asyncio facade over `aetcd` (and its gRPC stubs).
 
     get_prefix(prefix)            -> Snapshot(revision R, kvs)   one consistent read at R, paged
-    apply(puts, deletes, lease)   -> revision                    txns of <= MAX_TXN_OPS operations
+    apply(puts, deletes, lease)   -> revision                    txns of <= max_txn_ops operations
+                                     (asks for LARGE_TXN_OPS; an etcd that refuses it, being
+                                      at its default --max-txn-ops, gets MAX_TXN_OPS from then on)
     grant / keepalive / revoke    leases (keepalive answers the TTL left; 0: the lease is gone)
     watch_prefix(prefix, start)   -> Watch, async-iterates WatchBatch (events of one or more
                                      revisions, in order); raises RevisionCompacted
@@ -26,6 +28,8 @@ from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+LARGE_TXN_OPS = 1024  # what prefixpool's own etcd allows (EtcdServerConfig.max_txn_ops) and clients try first
+_TOO_MANY_OPS = "too many operations in txn request"
 PAGE_SIZE = 10_000
 _UNAVAILABLE = {rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED, rpc.StatusCode.CANCELLED}
 _CHANNEL_OPTIONS = {
@@ -101,12 +105,14 @@ def translate(error: Exception) -> EtcdError:
 class EtcdClient:
     """Connects lazily to endpoints ("host:port"), moving to the next one after a failure."""
 
-    def __init__(self, endpoints: Sequence[str] | str, timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoints: Sequence[str] | str, timeout_s: float = 5.0,
+                 max_txn_ops: int = LARGE_TXN_OPS) -> None:  # fmt: skip
         if isinstance(endpoints, str):  # "host:port,host:port", as every --etcd-endpoints flag says
             endpoints = [e.strip() for e in endpoints.split(",") if e.strip()]
         self.endpoints = list(endpoints)
         assert self.endpoints, "at least one endpoint"
         self.timeout_s = timeout_s
+        self.max_txn_ops = max_txn_ops  # lowered to MAX_TXN_OPS by the first txn etcd refuses as too large
         self._current = 0
         self._client: aetcd.Client | None = None
 
@@ -166,15 +172,25 @@ class EtcdClient:
         return await self.apply([(key, value)], [], lease)
 
     async def apply(self, puts: Sequence[tuple[bytes, bytes]], deletes: Sequence[bytes], lease: int = 0) -> int:
-        """Puts (under `lease`) and deletes in txns of at most MAX_TXN_OPS; the revision after the last."""
+        """Puts (under `lease`) and deletes in txns of at most max_txn_ops; the revision after the last.
+
+        A txn etcd refuses as too large was not applied at all (etcd checks before raft), so
+        the same ops go again in txns of MAX_TXN_OPS."""
         ops = [rpc.RequestOp(request_put=rpc.PutRequest(key=k, value=v, lease=lease)) for k, v in puts]
         ops += [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k)) for k in deletes]
-        revision = 0
+        revision, start = 0, 0
         async with self._session() as client:
-            for start in range(0, len(ops), MAX_TXN_OPS):
-                request = rpc.TxnRequest(success=ops[start : start + MAX_TXN_OPS])
-                response = await client.kvstub.Txn(request, timeout=self.timeout_s)
-                revision = response.header.revision
+            while start < len(ops):
+                size = self.max_txn_ops
+                try:
+                    response = await client.kvstub.Txn(rpc.TxnRequest(success=ops[start : start + size]),
+                                                       timeout=self.timeout_s)  # fmt: skip
+                except rpc.AioRpcError as error:
+                    if size <= MAX_TXN_OPS or _TOO_MANY_OPS not in (error.details() or ""):
+                        raise
+                    self.max_txn_ops = MAX_TXN_OPS
+                    continue
+                revision, start = response.header.revision, start + size
         return revision
 
     async def delete_prefix(self, prefix: bytes) -> int:

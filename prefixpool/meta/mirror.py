@@ -28,7 +28,9 @@ from prefixpool.meta.layout import Layout
 from prefixpool.meta.membership import NodeRecord, decode_record
 from prefixpool.meta.fleet_load import FleetLoad, decode_load
 from prefixpool.meta.index import BlockIndex
+from prefixpool.meta import runs
 from prefixpool.store.keys import BlockKey
+from prefixpool.store.tier_names import DEVICE
 
 log = logging.getLogger(__name__)
 MAX_TIER_BYTES = 32
@@ -37,6 +39,10 @@ MAX_TIER_BYTES = 32
 @dataclass(frozen=True)
 class MirrorConfig:
     retry_s: float = 0.5
+    run_blocks: int = 1  # nodes publish one key per run of about this many blocks (prefixpool.meta.runs)
+
+    def __post_init__(self) -> None:
+        runs.check_run_blocks(self.run_blocks)
 
 
 class Mirror:
@@ -76,8 +82,8 @@ class Mirror:
         return self.nodes
 
     def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]:
-        """Per node, how many blocks from keys[0] on it holds consecutively."""
-        return self.index.longest_prefix(keys)
+        """Per node, how many blocks from keys[0] on it holds consecutively (at run granularity: runs.py)."""
+        return runs.longest_prefix(self.index, keys, self.config.run_blocks)
 
     def report_revision(self, node_id: str) -> int:
         """etcd revision of the node's latest record, the load it reports included (0 if unknown)."""
@@ -88,7 +94,18 @@ class Mirror:
         return self.fleet.share(worker, exclude)
 
     def lower_tiers(self, node_id: str, keys: Iterable[BlockKey]) -> dict[str, int]:
-        return self.index.lower_tiers(node_id, keys)
+        """{tier: blocks} of `keys` the node holds below the device; with runs, a run counts in its boundary's tier."""
+        if self.config.run_blocks == 1:
+            return self.index.lower_tiers(node_id, keys)
+        lengths = runs.run_lengths(list(keys), self.config.run_blocks)
+        counts: dict[str, int] = {}
+        if not self.index.lower_tiers(node_id, lengths):
+            return counts
+        for key, length in lengths.items():
+            tier = self.index.tier_of(node_id, key)
+            if tier is not None and tier != DEVICE:
+                counts[tier] = counts.get(tier, 0) + length
+        return counts
 
     async def wait_revision(self, revision: int, timeout_s: float = 10.0) -> None:
         """Until the mirror has applied everything up to `revision`, which must be the revision of a

@@ -1,9 +1,15 @@
 """Block publication: what the node stores and evicts, into etcd, off the caller's path.
 
     publish(stored, removed)          caller (forward pass), never waits on etcd
+        │  run filter: only run-boundary keys when run_blocks > 1 (prefixpool.meta.runs)
         │  pending: {key: tier | None}   one entry per key, the latest op wins
-        ▼  (store then remove -> remove; remove then store -> store)
-    background task: up to max_batch ops -> txns of <= 128 under the node lease
+        │  coalesced: an op that leaves the key as etcd will hold it is no op at all
+        │    (store then remove of a key etcd never had -> nothing; remove then store
+        │     of a key etcd has in that tier -> nothing; store then remove of a key
+        │     etcd has -> one delete). `written` is etcd's state after every write
+        │     taken so far; a key whose write failed is uncertain and never coalesced.
+        ▼  window_s: wait this long after the first op, so more of them meet in one batch
+    background task: up to max_batch ops -> txns of <= the client's max_txn_ops under the node lease
         EtcdUnavailable  -> put the batch back (newer ops win), retry later
         LeaseNotFound    -> membership rotates, which re-publishes everything
     overflow (more than max_pending keys waiting):
@@ -26,6 +32,7 @@ from prefixpool.meta.background import stop_task
 from prefixpool.meta.etcd_client import EtcdClient, EtcdError, LeaseNotFound
 from prefixpool.meta.layout import Layout
 from prefixpool.meta.membership import Membership
+from prefixpool.meta.runs import check_run_blocks, published, published_entries
 from prefixpool.store.tier_names import DEVICE
 from prefixpool.store.keys import BlockKey
 
@@ -53,6 +60,11 @@ class PublisherConfig:
     max_pending: int = 65_536
     max_batch: int = 2048
     retry_s: float = 0.5
+    window_s: float = 0.0  # wait after the first op before writing, so more ops coalesce and batch (0: at once)
+    run_blocks: int = 1  # publish one key per run of about this many blocks (prefixpool.meta.runs); 1: every block
+
+    def __post_init__(self) -> None:
+        check_run_blocks(self.run_blocks)
 
 
 class Publisher:
@@ -62,8 +74,10 @@ class Publisher:
         self.layout: Layout = membership.layout
         self.node_id = membership.record.node_id
         self.revision = 0  # etcd revision after our latest write
-        self.num_written = self.num_dropped = self.num_overflows = 0
+        self.num_written = self.num_dropped = self.num_overflows = self.num_coalesced = 0
         self._pending: dict[BlockKey, str | None] = {}
+        self._written: dict[BlockKey, str] = {}  # etcd's state once every batch taken so far is written
+        self._uncertain: set[BlockKey] = set()  # keys of a failed write: etcd may or may not have applied it
         self._mutex = threading.Lock()  # publish() may be called from a worker thread
         self._republish = False
         self._writing = self._filling = self._rotating = False
@@ -84,9 +98,10 @@ class Publisher:
 
     def publish(self, stored: Iterable[BlockKey] = (), removed: Iterable[BlockKey] = (), tier: str = DEVICE) -> None:
         """Non-blocking, thread-safe. Later ops on the same key replace earlier pending ones."""
+        stored, removed = published(stored, self.config.run_blocks), published(removed, self.config.run_blocks)
         with self._mutex:
             if self._republish:
-                self.num_dropped += sum(1 for _ in stored) + sum(1 for _ in removed)
+                self.num_dropped += len(stored) + len(removed)
             else:
                 self._enqueue(stored, removed, tier)
         if self._loop is not None:
@@ -117,9 +132,12 @@ class Publisher:
         return self.revision
 
     def _enqueue(self, stored: Iterable[BlockKey], removed: Iterable[BlockKey], tier: str) -> None:
-        pending = self._pending
+        pending, written, uncertain = self._pending, self._written, self._uncertain
         for key, op in [*((k, tier) for k in stored), *((k, None) for k in removed)]:
             pending.pop(key, None)
+            if written.get(key) == op and key not in uncertain:
+                self.num_coalesced += 1  # etcd will hold exactly this already
+                continue
             pending[key] = op
         if len(pending) > self.config.max_pending:
             self.num_overflows += 1
@@ -133,7 +151,12 @@ class Publisher:
             batch: dict[BlockKey, str | None] = {}
             while self._pending and len(batch) < self.config.max_batch:
                 key = next(iter(self._pending))
-                batch[key] = self._pending.pop(key)
+                batch[key] = op = self._pending.pop(key)
+                self._uncertain.discard(key)
+                if op is None:
+                    self._written.pop(key, None)
+                else:
+                    self._written[key] = op
             self._writing = bool(batch)
             self._batch_generation = self._generation
             return batch
@@ -143,10 +166,13 @@ class Publisher:
             if not self._republish and self._batch_generation == self._generation:
                 for key, op in batch.items():
                     self._pending.setdefault(key, op)
+                    self._uncertain.add(key)  # some of its txns may have been applied
 
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
+            if self.config.window_s:
+                await asyncio.sleep(self.config.window_s)
             self._wake.clear()
             try:
                 await self._drain()
@@ -196,7 +222,8 @@ class Publisher:
             self._republish = False
             self._filling = True
             self._generation += 1
-            entries = self.all_keys()
+            entries = published_entries(self.all_keys(), self.config.run_blocks)
+            self._written, self._uncertain = dict(entries), set()
         try:
             puts = [(self.layout.block_key(key, self.node_id), tier.encode()) for key, tier in entries]
             if puts:
