@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from prefixpool.deploy.vllm_fleet import add_vllm_arguments, vllm_config
+from prefixpool.deploy.vllm_fleet import add_vllm_arguments, num_vllm_servers, vllm_config
 
 PER_NODE = ("PREFIXPOOL_HOST", "PREFIXPOOL_ADVERTISE_HOST")
 
@@ -33,7 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "own rule: loopback on a one-node cluster, the head's address on several; "
                         "0.0.0.0 in Kubernetes)")
     parser.add_argument("--router-port", type=int, default=8000)
-    add_vllm_arguments(parser)  # vLLM actors: a vLLM server and its sidecar each
+    parser.add_argument("--prefill", type=int, default=0, help="prefill/decode disaggregation: prefill worker "
+                        "actors (worker --role prefill), beside --workers")
+    parser.add_argument("--decode", type=int, default=0, help="decode worker actors (worker --role decode)")
+    add_vllm_arguments(parser)  # vLLM actors: a vLLM server and its sidecar each (--vllm-prefill/--vllm-decode too)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,11 +49,13 @@ def run(args: argparse.Namespace) -> int:
         print("removed:", ", ".join(ray_deploy.down()) or "nothing")
         return 0
     env = {k: v for k, v in os.environ.items() if k.startswith("PREFIXPOOL_") and k not in PER_NODE}
-    workers = args.workers if args.workers is not None else (0 if args.vllm else 2)
+    disaggregated = args.prefill or args.decode
+    workers = args.workers if args.workers is not None else (0 if num_vllm_servers(args) or disaggregated else 2)
     deployment = ray_deploy.up(workers, etcd_endpoints=args.etcd_endpoints, etcd_port=args.etcd_port,
                                etcd_data_dir=args.etcd_data_dir, router_port=args.router_port,
                                router_host=args.router_host, env=env, vllm=vllm_config(args), num_vllm=args.vllm,
-                               vllm_connector=args.vllm_connector)
+                               vllm_connector=args.vllm_connector, num_prefill=args.prefill, num_decode=args.decode,
+                               num_vllm_prefill=args.vllm_prefill, num_vllm_decode=args.vllm_decode)
     print(f"router: {deployment.router_url}\netcd: {deployment.etcd_endpoints}\n"
           f"workers: {', '.join([*deployment.worker_names, *deployment.vllm_names])}")
     print(f"worker urls: {', '.join(deployment.worker_urls)}")

@@ -2,6 +2,9 @@
 
     prefixpool ray up --workers N --address auto|HOST:PORT|ray://HOST:10001
     prefixpool ray up --vllm N --model-path DIR      (vLLM actors: a vLLM server and its sidecar each)
+    prefixpool ray up --prefill N --decode M         (prefill/decode disaggregation: worker actors
+                                                      worker-prefill-i / worker-decode-i, `worker --role`)
+    prefixpool ray up --vllm-prefill N --vllm-decode M --vllm-connector --model-path DIR   (the same with vLLM)
     prefixpool ray down
 
 Each actor is a thin supervisor around the same process `prefixpool up` runs
@@ -30,7 +33,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from prefixpool.deploy.janitor import OwnedTempDir
 from prefixpool.deploy import ray_etcd_data
 from prefixpool.deploy.processes import STOP_TIMEOUT_S, Child, python_argv, spawn
-from prefixpool.deploy.vllm_fleet import model_args, on_node, sidecar_args, vllm_temp_dir
+from prefixpool.deploy.vllm_fleet import model_args, on_node, roles_of, sidecar_args, vllm_temp_dir
 from prefixpool.deploy.vllm_server import VllmConfig, VllmServer
 
 NAMESPACE = "prefixpool"
@@ -66,12 +69,12 @@ class VllmActor(ProcessActor):
     """A vLLM server (its own temp dir) and its vllm-node sidecar (the child), both dying with the actor."""
 
     def __init__(self, name: str, config: VllmConfig, etcd_endpoints: str, env: dict[str, str],
-                 connector: bool = False) -> None:
+                 connector: bool = False, role: str = "both") -> None:
         self.log_dir = OwnedTempDir(f"prefixpool-{name}-")
-        config = on_node(config, name, etcd_endpoints, connector)
+        config = on_node(config, name, etcd_endpoints, connector, role=role)
         self.server = VllmServer.start(config, self.log_dir.path, name, temp=vllm_temp_dir())
-        self.child = spawn(f"{name}-sidecar", python_argv(*sidecar_args(name, self.server, etcd_endpoints, config)),
-                           self.log_dir.path, env)
+        argv = sidecar_args(name, self.server, etcd_endpoints, config, role=role)
+        self.child = spawn(f"{name}-sidecar", python_argv(*argv), self.log_dir.path, env)
 
     def vllm_url(self) -> str:
         return self.server.url
@@ -151,33 +154,50 @@ def _start_etcd(port: int, data_dir: str, env: dict[str, str]) -> str:
 def up(num_workers: int, *, etcd_endpoints: str = "", etcd_port: int = 2379, etcd_data_dir: str = "",
        router_port: int = 8000, router_host: str = "", worker_args: tuple[str, ...] = (),
        router_args: tuple[str, ...] = (), env: dict[str, str] | None = None, vllm: VllmConfig | None = None,
-       num_vllm: int = 0, vllm_connector: bool = False) -> Deployment:
+       num_vllm: int = 0, vllm_connector: bool = False, num_prefill: int = 0, num_decode: int = 0,
+       num_vllm_prefill: int = 0, num_vllm_decode: int = 0) -> Deployment:
     """Deploy on the Ray cluster `ray.init` connected to; returns where it serves.
 
     Workers get no address flags: with etcd on the head's node address each binds and
     advertises its own node's address (prefixpool.deploy.addresses). vLLM actors (`num_vllm`,
-    serving `vllm`) are placed like workers; the router then hashes with their model."""
-    assert vllm is not None or not num_vllm, "num_vllm needs a VllmConfig"
+    serving `vllm`) are placed like workers; the router then hashes with their model.
+    `num_prefill`/`num_decode` more workers (and `num_vllm_prefill`/`num_vllm_decode` vLLM actors,
+    their connector kv_producer/kv_consumer) take those roles: the router's conductor pairs them."""
+    vllm_roles = roles_of(num_vllm, num_vllm_prefill, num_vllm_decode)
+    assert vllm is not None or not vllm_roles, "vLLM actors need a VllmConfig"
     env = dict(env or {})
     if not etcd_endpoints:
         etcd_endpoints = _start_etcd(etcd_port, etcd_data_dir, env)
-    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= num_workers + num_vllm else 0
-    names = [f"worker-{i}" for i in range(num_workers)]
-    vllm_names = [f"vllm-{i}" for i in range(num_vllm)]
-    nodes = _worker_nodes(num_workers + num_vllm, gpus)
+    roles = worker_roles(num_workers, num_prefill, num_decode)
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= len(roles) + len(vllm_roles) else 0
+    names, vllm_names = list(roles), list(vllm_roles)
+    nodes = _worker_nodes(len(roles) + len(vllm_roles), gpus)
     workers = [
         _actor(name, num_gpus=gpus, node_id=node_id).remote(
-            name, ["worker", "--node-id", name, "--etcd-endpoints", etcd_endpoints, *worker_args], env)
+            name, ["worker", "--node-id", name, "--etcd-endpoints", etcd_endpoints, *role_args(roles[name]),
+                   *worker_args], env)
         for name, node_id in zip(names, nodes)
     ]
     vllms = [_actor(name, num_gpus=gpus, node_id=node_id, cls=VllmActor).remote(
-                name, vllm, etcd_endpoints, env, vllm_connector)
-             for name, node_id in zip(vllm_names, nodes[num_workers:])]
+                name, vllm, etcd_endpoints, env, vllm_connector, vllm_roles[name])
+             for name, node_id in zip(vllm_names, nodes[len(roles):])]
     urls = ray.get([w.url.remote() for w in [*workers, *vllms]])
     router = _actor("router", on_head=True).remote("router", [
         "router", "--etcd-endpoints", etcd_endpoints, *(["--host", router_host] if router_host else []),
         "--port", str(router_port), *model_args(vllm), *router_args], env)
-    return Deployment(ray.get(router.url.remote()), etcd_endpoints, names, urls[:num_workers], tuple(vllm_names))
+    return Deployment(ray.get(router.url.remote()), etcd_endpoints, names, urls[:len(names)], tuple(vllm_names))
+
+
+def worker_roles(num_workers: int, num_prefill: int = 0, num_decode: int = 0) -> dict[str, str]:
+    """Worker actor name -> role: whole-request workers, then prefill and decode workers."""
+    return {**{f"worker-{i}": "both" for i in range(num_workers)},
+            **{f"worker-prefill-{i}": "prefill" for i in range(num_prefill)},
+            **{f"worker-decode-{i}": "decode" for i in range(num_decode)}}
+
+
+def role_args(role: str) -> list[str]:
+    """`prefixpool worker` flags for a role (none for "both", the default)."""
+    return [] if role == "both" else ["--role", role]
 
 
 def down() -> list[str]:
