@@ -85,6 +85,10 @@ class Mirror:
         """Per node, how many blocks from keys[0] on it holds consecutively (at run granularity: runs.py)."""
         return runs.longest_prefix(self.index, keys, self.config.run_blocks)
 
+    def held_blocks(self, node_id: str) -> int:
+        """How many blocks the index names on `node_id`: its cache's occupied part, as its events tell it."""
+        return self.index.num_blocks(node_id)
+
     def report_revision(self, node_id: str) -> int:
         """etcd revision of the node's latest record, the load it reports included (0 if unknown)."""
         return self.node_revisions.get(node_id, 0)

@@ -3,6 +3,8 @@
     arrival ─▶ index.longest_prefix(keys) ─▶ policy.choose (the router's own code)
             ─▶ node queue: start = max(node free, arrival + transfer), end = start + prefill
             ─▶ at end: the node's LRU pool stores the request's blocks, the index learns them
+       (until then the index does not name them: what a burst sees before vLLM's KV events come back;
+       the `pressure` policy's speculative entries, dated by the simulated clock, cover that gap)
 
 Each node has a real prefixpool.store.pool.BlockPool (behind NodeBlocks) as its LRU (with optional modelled
 host and SSD tiers under it, prefixpool/replay/sim_node.py) and the cluster a real
@@ -75,14 +77,25 @@ def simulate(records: list[TraceRecord], policy: str, config: SimConfig) -> SimR
     capacity = _capacity(config, records)
     nodes = {f"n{i}": SimNode(f"n{i}", capacity, config.host_blocks, config.disk_blocks)
              for i in range(config.num_nodes)}
-    run = _Run(config, nodes, policies()[policy], random.Random(config.seed))
+    clock = _Clock()
+    run = _Run(config, nodes, policies(clock)[policy], random.Random(config.seed))
     for seq, record in enumerate(records):
-        run.finish_until(record.timestamp_ms / 1000.0)
+        clock.now = record.timestamp_ms / 1000.0
+        run.finish_until(clock.now)
         run.admit(seq, record)
     ttft = np.array(run.ttfts)
     return SimResult(policy, len(records), run.hit_tokens / sum(r.input_length for r in records), ttft,
                      np.array(run.fractions), int((ttft > config.slo_s).sum()), run.moved,
                      np.array([n.busy_s for n in nodes.values()]))
+
+
+class _Clock:
+    """The simulated time, read by the policies that date what they record (pressure's speculative entries)."""
+
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @dataclass
@@ -119,9 +132,12 @@ class _Run:
         costs, arrival = self.config.costs, record.timestamp_ms / 1000.0
         keys = keys_of(record, NAMESPACE)
         matches = self.index.longest_prefix(keys)
-        loads = {n: NodeLoad(queued_prefill_tokens=node.queued_tokens) for n, node in self.nodes.items()}
+        loads = {n: NodeLoad(queued_prefill_tokens=node.queued_tokens,
+                             free_blocks=node.blocks.num_blocks - node.blocks.pool.num_cached)
+                 for n, node in self.nodes.items()}
         lower = _lower_tiers(self.nodes, keys, matches) if self.config.host_blocks or self.config.disk_blocks else {}
-        plan = self.choose(RouteRequest(record.input_length, len(keys), lower), matches, loads, costs, self.rng)
+        request = RouteRequest(record.input_length, len(keys), lower, keys=keys)
+        plan = self.choose(request, matches, loads, costs, self.rng)
         node = self.nodes[plan.worker]
         read_s = sum(costs.tier_read_s(tier, n) for tier, n in lower.get(plan.worker, {}).items())
         reused = min(plan.fetch_end * costs.block_size, record.input_length)

@@ -5,6 +5,8 @@
                                         + reading its own host/SSD hits up to the device
                                         + weight x prefill of a held prefix it would recompute
     cost_local     the same, never fetching (each node only reuses its own cache)
+    pressure       cost, plus what storing the request evicts on a full node, speculative entries for
+                   blocks just routed, and a bound on the queue gap (prefixpool.router.pressure)
     least_load     fewest queued prefill tokens, then fewest running
     longest_prefix most locally matched blocks, load ignored (piles up on hot prefixes)
     round_robin    rotate through workers
@@ -24,10 +26,12 @@ from __future__ import annotations
 
 import heapq
 import random
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, NamedTuple, Protocol
+from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 
 from prefixpool.router.cost_model import CostModel
+from prefixpool.store.keys import BlockKey
 
 
 @dataclass(frozen=True)
@@ -38,12 +42,14 @@ class RouteRequest:
     lower_tier_blocks: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     # nodes that can send or receive a block transfer (None: all); vLLM nodes read only their own cache
     transfer_nodes: frozenset[str] | None = None
+    keys: Sequence[BlockKey] = ()  # the prompt's block keys: what a policy with speculative entries records
 
 
 @dataclass(frozen=True)
 class NodeLoad:
     queued_prefill_tokens: int = 0
     num_running: int = 0
+    free_blocks: int | None = None  # cache blocks holding no indexed block (None: unknown); 0 = full, a store evicts
 
 
 class Terms(NamedTuple):
@@ -58,6 +64,7 @@ class Terms(NamedTuple):
     transfer_s: float
     tier_read_s: float = 0.0  # host/SSD hits promoted before prefill: between a device hit and a recompute
     lost_reuse_s: float = 0.0  # priced, not waited: recomputing what another node holds (CostModel)
+    evict_s: float = 0.0  # priced, not waited: recomputing what storing this request evicts (policy `pressure`)
 
     @property
     def ttft_s(self) -> float:
@@ -65,7 +72,7 @@ class Terms(NamedTuple):
 
     @property
     def cost_s(self) -> float:
-        return self.ttft_s + self.lost_reuse_s
+        return self.ttft_s + self.lost_reuse_s + self.evict_s
 
 
 @dataclass(frozen=True)
@@ -225,11 +232,15 @@ class Policy(Protocol):
                  rng: random.Random, *, explain: bool = False) -> Plan: ...
 
 
-def policies() -> dict[str, Policy]:
-    """A fresh set of policies (round_robin keeps per-instance state)."""
+def policies(clock: Callable[[], float] = time.monotonic) -> dict[str, Policy]:
+    """A fresh set of policies (round_robin and pressure keep per-instance state); `clock` dates pressure's
+    speculative entries (the simulator passes its own)."""
+    from prefixpool.router.pressure import Pressure  # it builds on this module's terms
+
     return {
         "cost": _by_cost(allow_fetch=True),
         "cost_local": _by_cost(allow_fetch=False),
+        "pressure": Pressure(clock=clock),
         "least_load": _by_key(lambda w, m, loads: (loads[w].queued_prefill_tokens, loads[w].num_running, w)),
         "longest_prefix": _by_key(lambda w, m, loads: (-m.get(w, 0), w)),
         "round_robin": RoundRobin(),

@@ -1,0 +1,72 @@
+"""The `pressure` policy: the cost policy, priced for full caches, aware of what it just routed, tail bounded.
+
+    matches  = max(index, speculative entries)    blocks routed to a node and not yet in its KV events count
+                                                  as held there (prefixpool.router.speculative)
+    per worker, the cost policy's terms (queue + prefill + fetch + lost reuse), and
+        stored   = prompt blocks it would compute and keep   (all but its reused prefix)
+        free     = its free blocks - its speculative blocks   (NodeLoad.free_blocks; None: unknown, never priced)
+        evict_s  = lost-reuse weight x prefill of max(0, stored - free) blocks
+    best     = the cheapest
+    tail     = best.queue_s > least loaded's queue_s + max_queue_gap_s  ─▶  the least loaded instead
+    record     best.worker holds the prompt's blocks, speculatively, for ttl_s
+
+Why each part. A second copy of a prefix on a node whose cache is full pushes other blocks out, and
+those are recomputed later: priced, the copy happens only when the holder's queue outweighs a full
+prefill plus that recompute, i.e. when the prefix's load needs two nodes. A burst of a new prefix
+arrives faster than vLLM's KV events come back; counted as held where it went, the burst stays on one
+node. And no holder's queue grows past a fixed gap over the least loaded node, whatever its prefix
+is worth. Knows nothing of HTTP, etcd or the engine.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable
+
+from prefixpool.router.cost_model import CostModel
+from prefixpool.router.policy import NodeLoad, Plan, RouteRequest, Shared, Terms, plan_of, terms_for
+from prefixpool.router.speculative import SpeculativeBlocks
+
+
+class Pressure:
+    """Stateful (its speculative entries): one instance per router, or per simulated run."""
+
+    def __init__(self, ttl_s: float = 5.0, max_queue_gap_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.speculative = SpeculativeBlocks(ttl_s)
+        self.max_queue_gap_s = max_queue_gap_s
+        self.clock = clock
+
+    def __call__(self, request: RouteRequest, matches: dict[str, int], loads: dict[str, NodeLoad],
+                 costs: CostModel, rng: random.Random, *, explain: bool = False) -> Plan:
+        now = self.clock()
+        self.speculative.expire(now)
+        shared = Shared(request, self.with_speculative(request, matches), costs, allow_fetch=True)
+        candidates = tuple(self.priced(terms_for(w, loads[w], shared), loads[w], request, costs)
+                           for w in sorted(loads))
+        best = min(candidates, key=lambda t: (t.cost_s, -t.local_blocks, t.worker))
+        least = min(candidates, key=lambda t: (t.queue_s, t.cost_s, t.worker))
+        if best.queue_s > least.queue_s + self.max_queue_gap_s:
+            best = least
+        if not explain:  # /v1/route answers where a request would go; it routes nothing
+            self.speculative.add(best.worker, request.keys[matches.get(best.worker, 0):], now)
+        return plan_of(request, best, candidates if explain else (), costs)
+
+    def with_speculative(self, request: RouteRequest, matches: dict[str, int]) -> dict[str, int]:
+        """The index's matches, continued through speculative entries; entries the index now shows go."""
+        for node, num in matches.items():
+            if self.speculative.num_pending(node):
+                self.speculative.confirm(node, request.keys[:num])
+        return self.speculative.extend(request.keys, matches)
+
+    def priced(self, terms: Terms, load: NodeLoad, request: RouteRequest, costs: CostModel) -> Terms:
+        """`terms` with what storing the request's new blocks on a full node evicts."""
+        if load.free_blocks is None:
+            return terms
+        stored = request.num_blocks - terms.local_blocks - terms.fetch_blocks
+        free = load.free_blocks - self.speculative.num_pending(terms.worker)
+        evicted = max(0, stored - max(0, free))
+        if not evicted:
+            return terms
+        return terms._replace(evict_s=costs.lost_reuse_weight * costs.prefill_s(evicted * costs.block_size, 0))

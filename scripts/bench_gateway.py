@@ -1,0 +1,287 @@
+"""vLLM's own benchmark client against 2 vLLM servers behind our router (per policy) and behind sglang-router.
+
+    python scripts/bench_gateway.py [--shapes ref,many,long,fast,random] [--fronts pressure,cost,round_robin,sglang]
+                                    [--repeat 1] [--out benchmarks/gateway.md]
+
+Per workload shape, one fleet (`prefixpool up --vllm 2` as a LocalCluster: etcd, 2 vLLM servers of a
+tiny random Llama with KV events, their sidecars) whose KV caches are capped (--num-gpu-blocks-override)
+so that neither server holds every prefix but both together do. Per front, in turn: both prefix caches
+reset (vLLM's /reset_prefix_cache; the index emptied through the KV events), a fresh front started (our
+router with one policy, or `python -m sglang_router.launch_router --policy cache_aware` over the two
+vLLM URLs), then vLLM's own client (scripts/vllm_bench_client.py in .venv-vllm: `vllm bench serve`,
+dataset prefix_repetition or random) sends the shape's prompts at its Poisson rate. The hit rate is
+vLLM's own: the rise of vllm:prefix_cache_hits_total over vllm:prefix_cache_queries_total, summed over
+both servers; TTFT and ITL percentiles are the client's; the ideal is one never-evicting cache fed the
+same prompts. sglang-router is installed into .venv-vllm on first use (pip, sglang-router==0.3.2).
+A fleet is reused across its shape's fronts (a reset empties it; vLLM starts take most of a run);
+the fronts run interleaved, so a slow spell of the shared machine falls on all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefixpool.deploy.launcher import LocalCluster
+from prefixpool.deploy.processes import python_argv, spawn
+from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, VllmConfig
+from prefixpool.meta.etcd_client import EtcdClient
+from prefixpool.meta.layout import Layout
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL, BLOCK = "tiny-vllm", 32
+SGLANG_ROUTER = "sglang-router==0.3.2"
+HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+PREEMPTIONS = "vllm:num_preemptions_total"
+ROUTER_POLICIES = ("pressure", "cost", "round_robin", "cost_local", "least_load")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One workload: vLLM's dataset and its sizes, the rate, and each server's KV cache in blocks."""
+
+    name: str
+    dataset: str  # "prefix_repetition" or "random"
+    num_prefixes: int  # random: 1 (its one shared prefix)
+    prefix_len: int
+    suffix_len: int
+    num_prompts: int
+    rate: float
+    kv_blocks: int
+    output_len: int = 4
+
+    def client_flags(self) -> list[str]:
+        flags = ["--dataset-name", self.dataset, "--num-prompts", str(self.num_prompts),
+                 "--request-rate", str(self.rate), "--seed", "0"]
+        if self.dataset == "random":
+            return flags + ["--random-prefix-len", str(self.prefix_len), "--random-input-len", str(self.suffix_len),
+                            "--random-output-len", str(self.output_len), "--random-range-ratio", "0"]
+        return flags + ["--prefix-repetition-prefix-len", str(self.prefix_len),
+                        "--prefix-repetition-suffix-len", str(self.suffix_len),
+                        "--prefix-repetition-num-prefixes", str(self.num_prefixes),
+                        "--prefix-repetition-output-len", str(self.output_len)]
+
+    def describe(self) -> str:
+        blocks = self.num_prefixes * (self.prefix_len // BLOCK)
+        return (f"{self.dataset}: {self.num_prefixes} x {self.prefix_len}-token prefix ({blocks} blocks), "
+                f"{self.suffix_len}-token suffix, {self.output_len} out, {self.num_prompts} prompts at "
+                f"{self.rate:g}/s; {self.kv_blocks} KV blocks per server")
+
+
+# Each server holds 150 blocks: under the 192 prefix blocks of the prefix_repetition shapes, while both
+# (300) hold them all with room for the running requests' suffixes. "fast" doubles the reference rate.
+SHAPES = {s.name: s for s in (
+    Shape("ref", "prefix_repetition", 12, 512, 32, 360, 6.0, 150),
+    Shape("many", "prefix_repetition", 24, 256, 32, 360, 6.0, 150),
+    Shape("long", "prefix_repetition", 6, 1024, 32, 240, 4.0, 150),
+    Shape("fast", "prefix_repetition", 12, 512, 32, 360, 12.0, 150),
+    Shape("random", "random", 1, 512, 32, 240, 6.0, 150),
+)}
+
+
+def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Counters from a Prometheus /metrics page, summed over their labels."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as reply:
+        text = reply.read().decode()
+    totals = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def post(url: str, body: dict | None = None) -> None:
+    data = json.dumps(body).encode() if body is not None else b""
+    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        assert reply.status == 200, reply.status
+
+
+def reset_caches(cluster: LocalCluster, timeout_s: float = 120.0) -> None:
+    """Empty both vLLM caches and wait until etcd names no block (a fresh router then starts empty).
+    vLLM publishes the reset's AllBlocksCleared with its next engine step: one token in, one out."""
+    for server in cluster.vllm_servers.values():
+        post(f"{server.url}/reset_prefix_cache")
+        post(f"{server.url}/v1/completions", {"model": MODEL, "prompt": [1], "max_tokens": 1})
+    asyncio.run(_wait_index_empty(cluster.etcd.endpoint, timeout_s))
+
+
+async def _wait_index_empty(endpoint: str, timeout_s: float) -> None:
+    etcd = EtcdClient(endpoint)
+    deadline = time.monotonic() + timeout_s
+    while (left := (await etcd.get_prefix(Layout("default").blocks_prefix)).kvs) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    await etcd.close()
+    assert not left, f"etcd still names {len(left)} blocks {timeout_s:.0f} s after the reset"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SglangRouter:
+    """sglang-router 0.3.2 (Rust, from PyPI) over the vLLM servers, cache_aware; stopped by its own pid."""
+
+    def __init__(self, urls: list[str], log_dir: Path) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        log = open(log_dir / f"sglang-router-{port}.log", "w")
+        self.process = subprocess.Popen(
+            [str(DEFAULT_PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+             "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"sglang-router did not answer at {self.url}; see {log.name}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def ensure_sglang_router() -> None:
+    probe = [str(DEFAULT_PYTHON), "-c", "import sglang_router.launch_router"]
+    if subprocess.run(probe, capture_output=True).returncode:
+        subprocess.run([str(DEFAULT_PYTHON), "-m", "pip", "install", "-q", SGLANG_ROUTER], check=True)
+
+
+def start_front(front: str, cluster: LocalCluster, log_dir: Path):
+    """A fresh front: (its URL, an object with stop())."""
+    if front == "sglang":
+        router = SglangRouter([s.url for s in cluster.vllm_servers.values()], log_dir)
+        return router.url, router
+    child = spawn(f"router-{front}-{time.monotonic_ns()}", python_argv(
+        "router", "--port", "0", *cluster._common(), *cluster._model(), "--policy", front), log_dir)
+    return child.url, child
+
+
+def run_client(url: str, shape: Shape, model_dir: Path, work: Path) -> tuple[dict, dict]:
+    """vLLM's client against `url`: (its result JSON, the ideal hit rate of its prompts)."""
+    result, ideal = work / "result.json", work / "ideal.json"
+    for path in (result, ideal):
+        path.unlink(missing_ok=True)
+    argv = [str(DEFAULT_PYTHON), str(REPO / "scripts" / "vllm_bench_client.py"), str(ideal),
+            "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions", "--model", MODEL,
+            "--tokenizer", str(model_dir), "--ignore-eos", "--disable-tqdm", "--percentile-metrics", "ttft,itl",
+            "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(work),
+            "--result-filename", result.name, *shape.client_flags()]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise RuntimeError(f"vLLM's client failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(result.read_text()), json.loads(ideal.read_text())
+
+
+def run_arm(front: str, shape: Shape, cluster: LocalCluster, model_dir: Path, work: Path) -> dict:
+    reset_caches(cluster)
+    urls = [s.url for s in cluster.vllm_servers.values()]
+    before = [scrape(u, (HITS, QUERIES, PREEMPTIONS)) for u in urls]
+    url, process = start_front(front, cluster, work)
+    try:
+        result, ideal = run_client(url, shape, model_dir, work)
+    finally:
+        process.stop()
+    after = [scrape(u, (HITS, QUERIES, PREEMPTIONS)) for u in urls]
+    delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
+    queries = [d[QUERIES] for d in delta]
+    return {"front": front, "shape": shape.name, "result": result, "ideal": ideal["hit_rate"],
+            "hit_rate": sum(d[HITS] for d in delta) / max(sum(queries), 1),
+            "split": max(queries) / max(sum(queries), 1), "preempted": sum(d[PREEMPTIONS] for d in delta),
+            "load": os.getloadavg()[0]}
+
+
+def row(arm: dict) -> str:
+    r = arm["result"]
+
+    def ms(metric: str, p: int) -> str:
+        return f"{r.get(f'p{p}_{metric}_ms', float('nan')):,.1f}"
+
+    front = "sglang-router cache_aware" if arm["front"] == "sglang" else f"prefixpool {arm['front']}"
+    return (f"| {arm['shape']} | {front} | {r['completed']}/{r['num_prompts']} | **{arm['hit_rate']:.3f}** | "
+            f"{arm['ideal']:.3f} | {ms('ttft', 50)} | {ms('ttft', 90)} | {ms('ttft', 99)} | {ms('itl', 50)} | "
+            f"{ms('itl', 99)} | {arm['split']:.2f} | {int(arm['preempted'])} | {arm['load']:.1f} |")
+
+
+HEADER = ["| shape | front | done | vLLM hit rate | ideal | TTFT p50 ms | p90 | p99 | ITL p50 ms | p99 | "
+          "busier server's share | preemptions | load 1m |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+
+def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp: Path) -> list[str]:
+    config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks)
+    lines = []
+    with LocalCluster(num_workers=0, vllm=config, num_vllm=2, log_dir=tmp / f"logs-{shape.name}") as cluster:
+        for round_no in range(repeat):
+            order = fronts[round_no % len(fronts):] + fronts[:round_no % len(fronts)]
+            for front in order:
+                line = row(run_arm(front, shape, cluster, model_dir, tmp))
+                lines.append(line)
+                print(line, flush=True)
+    return lines
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    parser.add_argument("--fronts", default="pressure,cost,round_robin,sglang",
+                        help=f"comma list: router policies ({', '.join(ROUTER_POLICIES)}) and sglang")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of the fronts per shape, rotated")
+    parser.add_argument("--limit", type=int, default=0, help="at most this many prompts per run (0: the shape's)")
+    parser.add_argument("--out", default="", help="also write the table, with this command, to this file")
+    args = parser.parse_args()
+    args.shapes = [SHAPES[s] for s in args.shapes.split(",")]
+    if args.limit:
+        args.shapes = [dataclasses.replace(s, num_prompts=min(s.num_prompts, args.limit)) for s in args.shapes]
+    args.fronts = args.fronts.split(",")
+    assert all(f in ROUTER_POLICIES or f == "sglang" for f in args.fronts), args.fronts
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if "sglang" in args.fronts:
+        ensure_sglang_router()
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache between fronts
+    lines = [*HEADER]
+    print("\n".join(HEADER), flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+        model_dir = Path(tmp) / "model"
+        subprocess.run([str(DEFAULT_PYTHON), "-m", "prefixpool.testing.tiny_llama", str(model_dir),
+                        "--max-position", "2048"], check=True, capture_output=True)
+        for shape in args.shapes:
+            lines += run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp))
+    shapes = [f"- {s.name}: {s.describe()}" for s in args.shapes]
+    report = "\n".join([*lines, "", *shapes, f"- load average at the end: "
+                        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"])
+    print(report)
+    if args.out:
+        command = "python scripts/bench_gateway.py " + " ".join(sys.argv[1:])
+        Path(args.out).write_text(f"`{command}`\n\n{report}\n")
+
+
+if __name__ == "__main__":
+    main()

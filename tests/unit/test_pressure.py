@@ -1,0 +1,151 @@
+"""The `pressure` policy and its speculative entries, on hand-built matches and loads.
+
+Numbers (block 32, 2,000 prefill tokens/s, lost-reuse weight 2; a 544-token prompt of 17 blocks whose
+first 16 node a holds, vLLM-like nodes that fetch nothing):
+    a: prefill 32 tokens 0.016 s, evicts 1 block when full          0.048 s + a's queue
+    b: prefill 0.272 s, lost reuse 2 x 0.256, evicts 17 blocks 0.544  1.328 s + b's queue (0.784 s with room)
+"""
+
+import random
+
+import numpy as np
+import pytest
+
+from prefixpool.router.cost_model import CostModel
+from prefixpool.router.policy import NodeLoad, RouteRequest, policies
+from prefixpool.router.pressure import Pressure
+from prefixpool.router.speculative import SpeculativeBlocks
+from prefixpool.store.keys import Namespace, chain_from
+
+COSTS = CostModel(block_size=32, prefill_tokens_per_s=2000.0, lost_reuse_weight=2.0)
+ROOT = Namespace("pressure-test", block_size=32).root()
+PREFIX = np.arange(512, dtype=np.int32)
+
+
+def request(suffix_seed: int, prefix=PREFIX) -> RouteRequest:
+    ids = np.concatenate([prefix, np.random.default_rng(suffix_seed).integers(600, 900, 32, dtype=np.int32)])
+    keys = chain_from(ROOT, ids, 32)
+    return RouteRequest(len(ids), len(keys), transfer_nodes=frozenset(), keys=keys)
+
+
+def loads(queued_a: int = 0, queued_b: int = 0, free_a: int | None = 0, free_b: int | None = 0) -> dict:
+    return {"a": NodeLoad(queued_prefill_tokens=queued_a, free_blocks=free_a),
+            "b": NodeLoad(queued_prefill_tokens=queued_b, free_blocks=free_b)}
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pressure(clock=None, **kwargs) -> Pressure:
+    return Pressure(clock=clock or Clock(), **kwargs)
+
+
+def choose(policy, req, node_loads, matches):
+    return policy(req, matches, node_loads, COSTS, random.Random(0)).worker
+
+
+# -- speculative entries --------------------------------------------------------------------------
+
+
+def test_speculative_entries_extend_match_confirm_and_expire():
+    keys = request(0).keys
+    spec = SpeculativeBlocks(ttl_s=2.0)
+    spec.add("a", keys[3:], now=10.0)  # the index already names keys[:3] on a
+    spec.check_integrity()
+    assert spec.extend(keys, {"a": 3}) == {"a": 17}
+    assert spec.extend(keys, {}) == {}, "a speculative run continues an index match; it never starts mid-prompt"
+    spec.add("b", keys, now=10.5)
+    assert spec.extend(keys, {}) == {"b": 17} and len(spec) == 14 + 17
+    spec.confirm("b", keys[:16])  # b's KV events came back for 16 blocks
+    assert spec.num_pending("b") == 1 and spec.extend(keys, {"b": 16}) == {"b": 17}
+    spec.check_integrity()
+    spec.expire(12.0)  # a's entries were dated 10.0: gone; b's (10.5) stay
+    assert spec.num_pending("a") == 0 and spec.num_pending("b") == 1
+    spec.add("b", keys[16:], now=12.0)  # refreshed: the old expiry in the queue must not drop it
+    spec.expire(12.6)
+    assert spec.num_pending("b") == 1
+    spec.expire(14.0)
+    assert len(spec) == 0
+    spec.check_integrity()
+
+
+def test_a_burst_of_a_new_prefix_stays_on_one_node_until_the_ttl():
+    clock = Clock()
+    policy, cost = pressure(clock, ttl_s=3.0), policies()["cost"]
+    first = choose(policy, request(1), loads(free_a=None, free_b=None), {})
+    busy = loads(**{f"queued_{first}": 544, "free_a": None, "free_b": None})  # the first one still prefilling
+    assert choose(policy, request(2), busy, {}) == first, "the burst follows its speculative entries"
+    assert choose(cost, request(2), busy, {}) != first, "without them the index is empty and the burst spreads"
+    clock.now += 3.5  # no KV event ever came: the entries expire and stop steering
+    choose(policy, request(3), loads(free_a=None, free_b=None), {})
+    assert policy.speculative.extend(request(4).keys, {}) == {first: 16}, "only request 3's own entries remain"
+
+
+def test_kv_events_confirm_speculative_entries():
+    policy = pressure()
+    req = request(5)
+    assert choose(policy, req, loads(free_a=None, free_b=None), {}) == "a"
+    assert policy.speculative.num_pending("a") == 17
+    choose(policy, request(6), loads(free_a=None, free_b=None), {"a": 17 - 1})  # the index now names the prefix
+    assert policy.speculative.num_pending("a") == 1 + 1, "the prefix is confirmed; two suffix blocks still pending"
+    policy.speculative.check_integrity()
+
+
+def test_explain_records_nothing():
+    policy = pressure()
+    policy(request(7), {}, loads(), COSTS, random.Random(0), explain=True)
+    assert len(policy.speculative) == 0
+
+
+# -- cache pressure -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("queued_a, full_b, expected", [
+    (0, True, "a"),
+    (2000, True, "a"),  # a 1 s queue: a second copy on a full b would evict 17 blocks: not worth it
+    (2000, False, "b"),  # the same queue, b with room: the copy evicts nothing
+    (3000, True, "b"),  # 1.5 s of queue: the prefix's load needs two nodes
+])
+def test_a_second_copy_only_under_load(queued_a, full_b, expected):
+    node_loads = loads(queued_a=queued_a, free_b=0 if full_b else 100)
+    assert choose(pressure(), request(8), node_loads, {"a": 16}) == expected
+
+
+def test_the_cost_policy_copies_sooner():
+    assert choose(policies()["cost"], request(9), loads(queued_a=2000), {"a": 16}) == "b"
+
+
+def test_an_unknown_cache_size_is_not_priced():
+    policy = pressure()
+    plan = policy(request(10), {"a": 16}, loads(free_a=None, free_b=None), COSTS, random.Random(0), explain=True)
+    assert all(t.evict_s == 0 for t in plan.candidates)
+
+
+def test_speculative_blocks_fill_a_cache():
+    policy = pressure()
+    room = loads(free_a=17, free_b=17)
+    choose(policy, request(11), room, {})  # a: 17 blocks pending, its 17 free blocks now spoken for
+    plan = policy(request(12, prefix=PREFIX + 1000), {}, room, COSTS, random.Random(0), explain=True)
+    evict = {t.worker: t.evict_s for t in plan.candidates}
+    assert evict["a"] > 0 and evict["b"] == 0 and plan.worker == "b"
+
+
+# -- bounded tail ---------------------------------------------------------------------------------
+
+
+LONG = np.arange(3168, dtype=np.int32)  # 99 blocks + a 1-block suffix: a copy on b is priced at ~8 s
+
+
+@pytest.mark.parametrize("queued_a, expected", [(3000, "a"), (6000, "b")])
+def test_a_holders_queue_is_bounded_whatever_its_prefix_is_worth(queued_a, expected):
+    node_loads = loads(queued_a=queued_a)
+    assert choose(pressure(max_queue_gap_s=2.0), request(13, prefix=LONG), node_loads, {"a": 99}) == expected
+
+
+def test_the_tail_bound_is_a_gap_over_the_least_loaded():
+    node_loads = loads(queued_a=16_000, queued_b=12_000)  # 8 s and 6 s: within 2 s of each other
+    assert choose(pressure(max_queue_gap_s=2.0), request(14, prefix=LONG), node_loads, {"a": 99}) == "a"
