@@ -69,6 +69,9 @@ class _StaticView:
     def fleet_share(self, worker, exclude):
         return 0, 0
 
+    def held_blocks(self, node_id):
+        return self.index.num_blocks(node_id)
+
     def report_revision(self, node_id):
         return 0
 
