@@ -18,7 +18,7 @@ from prefixpool.deploy.worker_settings import WorkerSettings
 from prefixpool.vllm_connector.config import config_from
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
-OVERLAYS = ["base", "overlays/cpu", "overlays/kuberay", "overlays/vllm", "overlays/vllm-connector"]
+OVERLAYS = ["base", "overlays/cpu", "overlays/kuberay", "overlays/vllm", "overlays/vllm-connector", "overlays/pd"]
 SETTINGS_OF = {"worker": WorkerSettings, "router": RouterSettings, "ray": RouterSettings, "vllm-node": VllmNodeSettings}
 # Variables the image itself or Kubernetes' downward API needs, not prefixpool settings.
 NOT_SETTINGS = {"POD_NAME", "POD_IP"}
@@ -181,3 +181,23 @@ def test_the_connector_overlay_gives_each_vllm_pod_a_pool_named_after_its_node()
     assert extra.node_id == "$(POD_NAME)" and env["POD_NAME"] == sidecar_env["PREFIXPOOL_NODE_ID"]
     assert {"name": "transfer", "containerPort": extra.transfer_port} in vllm["ports"]
     assert "$(PREFIXPOOL_ETCD_ENDPOINTS)" == extra.etcd_endpoints and "PREFIXPOOL_ETCD_ENDPOINTS" in env
+
+
+def test_the_pd_overlay_runs_prefill_and_decode_workers_that_differ_only_in_role():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render("overlays/pd")}
+    pods = {name: docs[("StatefulSet", name)]["spec"]["template"] for name in ("worker", "worker-prefill")}
+    env = {name: {e["name"]: e for e in pod["spec"]["containers"][0]["env"]} for name, pod in pods.items()}
+    assert {name: e["PREFIXPOOL_ROLE"]["value"] for name, e in env.items()} == {"worker": "decode",
+                                                                                "worker-prefill": "prefill"}
+    roles = dataclasses.fields(WorkerSettings)
+    assert "role" in {f.name for f in roles}  # a setting the worker reads (prefixpool worker --role)
+    decode, prefill = (pods[n]["spec"]["containers"][0] for n in ("worker", "worker-prefill"))
+    for key in ("image", "args", "envFrom", "ports", "readinessProbe", "livenessProbe", "resources"):
+        assert decode[key] == prefill[key], key
+    assert {n: e for n, e in env["worker"].items() if n != "PREFIXPOOL_ROLE"} == \
+        {n: e for n, e in env["worker-prefill"].items() if n != "PREFIXPOOL_ROLE"}
+    labels = {name: pod["metadata"]["labels"]["app.kubernetes.io/name"] for name, pod in pods.items()}
+    assert labels["worker"] != labels["worker-prefill"]  # no StatefulSet selects the other's pods
+    assert docs[("Service", "worker-prefill")]["spec"]["selector"]["app.kubernetes.io/name"] == labels["worker-prefill"]
+    assert docs[("StatefulSet", "worker-prefill")]["metadata"]["namespace"] == docs[("StatefulSet", "worker")][
+        "metadata"]["namespace"]
