@@ -1,95 +1,181 @@
-"""The cluster-wide block index: which nodes hold which block key, in which tier.
+"""The cluster-wide block index: which nodes hold which block key, in which tier, in ~20-45 bytes per block.
 
-    holders[key] = {node_id: tier, ...}        keys_of[node_id] = {key, ...}
-    num_lower[node_id] = keys it holds in a tier below the device (0 for most: no per-key lookups then)
+    node -> (group, bit)          a node is one bit of a 64-bit word; groups of 64 nodes
+    groups[g]: BlockTable         fingerprint -> {tier: uint64 bitmap of the group's holders}
 
-A plain data structure. The router's etcd mirror feeds it from watch events,
-the trace simulator feeds it directly; both ask `longest_prefix`. Knows
-nothing of etcd, HTTP or how keys were made.
+        fingerprint    device     host        (a tier's column exists once a node uses it)
+        0x9c41...      0b0101     0b0000      nodes 0 and 2 hold it on the device
+        0x13e7...      0b0001     0b1000      node 0 on the device, node 3 in host memory
+
+longest_prefix(keys) looks a whole prompt's keys up at once per group (prefixpool.meta.block_table),
+ORs the tier columns, and ANDs the words cumulatively: a node's bit stays set for exactly as many
+keys from keys[0] on as it holds consecutively, so its match is a count of nonzero words.
+
+Keys are shortened to 64-bit fingerprints (both halves of the 16-byte key folded together), and
+two keys sharing one are one entry here. That never gives a wrong answer, only a lost hit:
+  - a false "held" (node N holds A, B shares A's fingerprint, a prompt asks for B) makes the router
+    send the prompt to N or have N fetch B from a peer; N's own pool matches by the full 16-byte
+    key (prefixpool.store.pool), a peer pins only the full keys it holds (transfer.source.pin) and
+    the receiver checks each block's full key against the one it asked for (transfer.sink), so the
+    block is recomputed: the cost of a miss;
+  - a false "gone" (N evicts A while holding B) is a miss too.
+The index only ever steers work. With 64-bit fingerprints a table of 5M blocks has a collision
+somewhere with probability ~7e-7 (tests/unit/test_index.py forces one).
+
+A plain data structure. The router's etcd mirror feeds it from watch events, the trace simulator
+feeds it directly; both ask `longest_prefix`. Knows nothing of etcd, HTTP or how keys were made.
 """
 
 from __future__ import annotations
 
-from itertools import takewhile
 from typing import Iterable, Sequence
 
+import numpy as np
+
+from prefixpool.meta.block_table import ABSENT, BlockTable, fingerprints
 from prefixpool.store.keys import BlockKey
 from prefixpool.store.tier_names import DEVICE
 
+GROUP_NODES = 64
+
 
 class BlockIndex:
-    def __init__(self) -> None:
-        self.holders: dict[BlockKey, dict[str, str]] = {}
-        self.keys_of: dict[str, set[BlockKey]] = {}
-        self.num_lower: dict[str, int] = {}
+    def __init__(self, group_nodes: int = GROUP_NODES) -> None:
+        assert 1 <= group_nodes <= 64, group_nodes
+        self.group_nodes = group_nodes
+        self.groups: list[BlockTable] = []
+        self.members: list[dict[int, str]] = []  # per group: bit -> node
+        self.slot_of: dict[str, tuple[int, int]] = {}  # node -> (group, bit)
+        self.counts: dict[str, dict[str, int]] = {}  # node -> {tier: blocks it holds there}
 
     def __len__(self) -> int:
-        return len(self.holders)
+        """Distinct blocks with a holder: a pass over the table(s), for gauges and tests."""
+        if len(self.groups) == 1:
+            return int(np.count_nonzero(self.groups[0].live()))
+        live = [table.fp.reshape(-1)[table.live()] for table in self.groups]
+        return int(np.unique(np.concatenate(live)).size) if live else 0
 
     def num_blocks(self, node_id: str) -> int:
-        return len(self.keys_of.get(node_id, ()))
+        return sum(self.counts.get(node_id, {}).values())
+
+    def num_lower(self, node_id: str) -> int:
+        """Blocks `node_id` holds in a tier below the device (0 for most: no per-key lookups then)."""
+        return sum(num for tier, num in self.counts.get(node_id, {}).items() if tier != DEVICE)
 
     def add(self, node_id: str, keys: Iterable[BlockKey], tier: str = DEVICE) -> None:
-        held = self.keys_of.setdefault(node_id, set())
-        lower = self.num_lower.get(node_id, 0)
-        for key in keys:
-            nodes = self.holders.setdefault(key, {})
-            lower += (tier != DEVICE) - (nodes.get(node_id, DEVICE) != DEVICE)
-            nodes[node_id] = tier
-            held.add(key)
-        self.num_lower[node_id] = lower
+        """`node_id` holds `keys` in `tier` now (a key it held in another tier moves)."""
+        fps = np.unique(fingerprints(list(keys)))
+        if not fps.size:
+            return
+        table, mask = self._slot(node_id)
+        slots = table.insert(fps)
+        counts = self.counts[node_id]
+        for other in [t for t, num in counts.items() if num and t != tier]:
+            counts[other] -= _clear(table.columns[other], slots, mask)
+        column = table.column(tier)
+        counts[tier] = counts.get(tier, 0) + fps.size - int(np.count_nonzero(column[slots] & mask))
+        column[slots] |= mask
 
     def remove(self, node_id: str, keys: Iterable[BlockKey]) -> None:
-        held = self.keys_of.get(node_id)
-        if held is None:
+        if node_id not in self.slot_of:
             return
-        for key in keys:
-            if key in held:
-                held.discard(key)
-                nodes = self.holders[key]
-                if nodes.pop(node_id) != DEVICE:
-                    self.num_lower[node_id] -= 1
-                if not nodes:
-                    del self.holders[key]
+        table, mask = self._slot(node_id)
+        slots = table.find(np.unique(fingerprints(list(keys))))
+        slots = slots[slots != ABSENT]
+        counts = self.counts[node_id]
+        for tier in [t for t, num in counts.items() if num]:
+            counts[tier] -= _clear(table.columns[tier], slots, mask)
+        if not any(counts.values()):
+            self._release(node_id)
 
     def remove_node(self, node_id: str) -> None:
-        self.remove(node_id, list(self.keys_of.get(node_id, ())))
-        self.keys_of.pop(node_id, None)
-        self.num_lower.pop(node_id, None)
+        if node_id not in self.slot_of:
+            return
+        table, mask = self._slot(node_id)
+        for tier, num in self.counts[node_id].items():
+            if num:
+                table.columns[tier] &= ~mask
+        self._release(node_id)
 
     def tier_of(self, node_id: str, key: BlockKey) -> str | None:
-        return self.holders.get(key, {}).get(node_id)
+        if node_id not in self.slot_of:
+            return None
+        table, mask = self._slot(node_id)
+        slot = int(table.find(fingerprints([key]))[0])
+        if slot == ABSENT:
+            return None
+        return next((tier for tier, num in self.counts[node_id].items() if num and table.columns[tier][slot] & mask),
+                    None)
+
+    def holders_of(self, key: BlockKey) -> dict[str, str]:
+        """{node: tier} of every holder of `key` (tests and /debug; the router asks longest_prefix)."""
+        return {node_id: tier for node_id in self.slot_of if (tier := self.tier_of(node_id, key)) is not None}
 
     def lower_tiers(self, node_id: str, keys: Iterable[BlockKey]) -> dict[str, int]:
         """{tier: count} of `keys` that `node_id` holds below the device; {} at once when it holds none there."""
-        counts: dict[str, int] = {}
-        if not self.num_lower.get(node_id):
-            return counts
-        for key in keys:
-            tier = self.holders.get(key, {}).get(node_id)
-            if tier is not None and tier != DEVICE:
-                counts[tier] = counts.get(tier, 0) + 1
-        return counts
+        lower = [t for t, num in self.counts.get(node_id, {}).items() if num and t != DEVICE]
+        if not lower:
+            return {}
+        table, mask = self._slot(node_id)
+        slots = table.find(fingerprints(list(keys)))
+        slots = slots[slots != ABSENT]
+        found = {tier: int(np.count_nonzero(table.columns[tier][slots] & mask)) for tier in lower}
+        return {tier: num for tier, num in found.items() if num}
 
     def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]:
-        """Per node, how many keys from keys[0] on it holds consecutively (nodes with 0 omitted).
-
-        Only holders of keys[0] can match; per holder, one C-speed walk (takewhile over the
-        set's membership test) that stops at its first miss, instead of a Python step per key.
-        """
+        """Per node, how many keys from keys[0] on it holds consecutively (nodes with 0 omitted)."""
         if not keys:
             return {}
-        return {node_id: len(list(takewhile(self.keys_of[node_id].__contains__, keys)))
-                for node_id in self.holders.get(keys[0], ())}
+        fps, matches = fingerprints(keys), {}
+        for table, members in zip(self.groups, self.members):
+            if members:
+                run = np.bitwise_and.accumulate(table.bits(fps))
+                first = int(run[0])
+                for bit, node_id in members.items():
+                    if first >> bit & 1:
+                        matches[node_id] = int(np.count_nonzero(run & np.uint64(1 << bit)))
+        return matches
+
+    def _slot(self, node_id: str) -> tuple[BlockTable, np.uint64]:
+        """The node's group table and bit, given one on first use (the lowest free)."""
+        if node_id not in self.slot_of:
+            group = next((g for g, m in enumerate(self.members) if len(m) < self.group_nodes), len(self.groups))
+            if group == len(self.groups):
+                self.groups.append(BlockTable())
+                self.members.append({})
+            bit = next(b for b in range(self.group_nodes) if b not in self.members[group])
+            self.members[group][bit] = node_id
+            self.slot_of[node_id], self.counts[node_id] = (group, bit), {}
+        group, bit = self.slot_of[node_id]
+        return self.groups[group], np.uint64(1 << bit)
+
+    def _release(self, node_id: str) -> None:
+        """Forget a node that holds nothing: its bit is free for the next node."""
+        group, bit = self.slot_of.pop(node_id)
+        del self.members[group][bit], self.counts[node_id]
 
     def check_integrity(self) -> None:
-        for key, nodes in self.holders.items():
-            assert nodes, f"{key.hex()} has no holders"
-            for node_id in nodes:
-                assert key in self.keys_of.get(node_id, ()), f"{node_id} lacks {key.hex()}"
-        for node_id, keys in self.keys_of.items():
-            for key in keys:
-                assert node_id in self.holders.get(key, {}), f"{key.hex()} lacks {node_id}"
-            lower = sum(1 for key in keys if self.holders[key][node_id] != DEVICE)
-            assert self.num_lower.get(node_id, 0) == lower, (
-                f"{node_id}: num_lower {self.num_lower.get(node_id)} != {lower}")
+        for group, (table, members) in enumerate(zip(self.groups, self.members)):
+            table.check_integrity()
+            everyone = np.uint64(sum(1 << bit for bit in members))
+            for tier, column in table.columns.items():
+                assert not (column & ~everyone).any(), f"group {group} {tier}: bits of no node"
+            for bit, node_id in members.items():
+                assert self.slot_of[node_id] == (group, bit), node_id
+                self._check_node(table, node_id, np.uint64(1 << bit))
+        assert len(self.slot_of) == len(self.counts) == sum(map(len, self.members))
+
+    def _check_node(self, table: BlockTable, node_id: str, mask: np.uint64) -> None:
+        held = [(table.columns[tier] & mask) != 0 for tier in table.columns]
+        assert not held or max(np.sum(held, axis=0)) <= 1, f"{node_id} holds a block in two tiers"
+        for tier, column in table.columns.items():
+            num = int(np.count_nonzero(column & mask))
+            assert self.counts[node_id].get(tier, 0) == num, (node_id, tier, self.counts[node_id], num)
+        assert self.num_blocks(node_id) > 0, f"{node_id} holds nothing but keeps its bit"
+
+
+def _clear(column: np.ndarray, slots: np.ndarray, mask: np.uint64) -> int:
+    """Clear `mask` at `slots` (distinct); how many had it."""
+    had = slots[(column[slots] & mask) != 0]
+    column[had] &= ~mask
+    return int(had.size)

@@ -198,9 +198,7 @@ class Mirror:
 
     def _delete(self, key: bytes) -> None:
         if (entry := self.layout.parse_block(key)) is not None:
-            self.index.remove(entry.node_id, [entry.key])
-            if not self.index.keys_of.get(entry.node_id, True):
-                del self.index.keys_of[entry.node_id]
+            self.index.remove(entry.node_id, [entry.key])  # a node left holding nothing is forgotten
         elif (node_id := self.layout.parse_node(key)) is not None:
             self.nodes.pop(node_id, None)
             self.node_revisions.pop(node_id, None)

@@ -29,6 +29,9 @@ class DictBlockIndex:
     def __len__(self) -> int:
         return len(self.holders)
 
+    def num_blocks(self, node_id: str) -> int:
+        return len(self.keys_of.get(node_id, ()))
+
     def add(self, node_id: str, keys: Iterable[BlockKey], tier: str = DEVICE) -> None:
         held = self.keys_of.setdefault(node_id, set())
         lower = self.num_lower.get(node_id, 0)

@@ -28,7 +28,7 @@ def truth_index(kvs: dict[bytes, bytes], layout: Layout) -> dict[tuple[bytes, st
 
 
 def mirror_blocks(mirror: Mirror) -> dict[tuple[bytes, str], str]:
-    return {(key, node): tier for key, nodes in mirror.index.holders.items() for node, tier in nodes.items()}
+    return {(key, node): tier for key in KEYS for node, tier in mirror.index.holders_of(key).items()}
 
 
 def brute_longest_prefix(blocks, keys) -> dict[str, int]:
@@ -66,6 +66,7 @@ def check_against_oracle(etcd, mirror: Mirror, ns: str, nodes: list[LocalNode]) 
     model = {(key, n.membership.record.node_id): tier for n in nodes for key, tier in n.held.items()}
     assert truth == model
     assert mirror_blocks(mirror) == truth
+    assert sum(mirror.index.num_blocks(node) for node in NODES) == len(truth)  # nothing beyond KEYS either
     assert set(mirror.nodes) == {n.membership.record.node_id for n in nodes}
     for chain in CHAINS:
         for length in (1, 3, 6):

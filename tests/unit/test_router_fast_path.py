@@ -135,4 +135,4 @@ def test_index_counts_lower_tier_keys_and_longest_prefix_matches_a_brute_force()
     index.add("a", keys[3:4])  # back up to the device
     index.remove("a", keys[4:5])
     index.check_integrity()
-    assert index.lower_tiers("a", keys) == {} and index.num_lower["a"] == 0
+    assert index.lower_tiers("a", keys) == {} and index.num_lower("a") == 0
