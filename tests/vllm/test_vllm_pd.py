@@ -196,6 +196,8 @@ def test_a_dead_prefill_server_leaves_the_decode_server_computing_through_the_ro
                for i in range(3)]
     for i, answer in enumerate(answers):
         assert answer.choices[0].text == cold(pair, f"{text} {i}", f"dead-cold-{i}")
+    # the first of them came before P's sidecar missed 3 health checks: the router still paired P
+    assert "the decode server computes the prompt" in pair.cluster.router.log_path.read_text(errors="replace")
     deadline = time.monotonic() + 60
     while (plan := route(url, text + " later")).get("prefill") is not None or P in plan.get("kinds", {}):
         assert time.monotonic() < deadline, f"the router still pairs the dead {P}: {json.dumps(plan)[:1000]}"
