@@ -2,6 +2,7 @@
 
     etcd       one server for the whole session; tests isolate themselves by namespace (`ns`)
     own_etcd   a server of the test's own, which it may stop, kill, restart or wipe
+    etcd_shards  two servers of the test's own: index shards 0 and 1 (prefixpool/meta/shards.py)
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ def own_etcd():
     server = EtcdServer().start()
     yield server
     server.close()
+
+
+@pytest.fixture
+def etcd_shards():
+    servers = []
+    try:
+        servers += [EtcdServer().start(), EtcdServer().start()]
+        yield servers
+    finally:
+        for server in servers:
+            server.close()
 
 
 @pytest.fixture

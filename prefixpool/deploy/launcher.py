@@ -1,6 +1,7 @@
 """`prefixpool up`: etcd, N workers and a router on 127.0.0.1, as child processes.
 
     cluster = LocalCluster(num_workers=2).start()   # prints nothing; .router_url
+    LocalCluster(num_index_shards=2)                # block keys over 2 etcd servers (meta/shards.py)
     ...
     cluster.stop()                                  # by PID, each drains on SIGTERM; no process left
 
@@ -40,6 +41,8 @@ class LocalCluster:
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
     etcd: EtcdServer | None = None
+    num_index_shards: int = 1  # etcd servers the block keys spread over; self.etcd is shard 0
+    shard_etcds: list[EtcdServer] = field(default_factory=list)  # shards 1.. (none with one shard)
     workers: dict[str, Child] = field(default_factory=dict)
     routers: dict[str, Child] = field(default_factory=dict)
     vllm: VllmConfig | None = None  # with num_vllm > 0: vLLM servers and their sidecars
@@ -58,7 +61,10 @@ class LocalCluster:
         self.log_dir = self._temp_logs.path if self._temp_logs else Path(self.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
+            if self.num_index_shards > 1 and self.vllm_roles:
+                raise ValueError("index shards reach our workers and routers; vLLM sidecars publish to one etcd")
             self.etcd = EtcdServer().start()
+            self.shard_etcds = [EtcdServer().start() for _ in range(self.num_index_shards - 1)]
             for i in range(self.num_workers):
                 self.start_worker(f"worker-{i}")
             self.start_vllm(list(self.vllm_roles))
@@ -69,7 +75,13 @@ class LocalCluster:
         return self
 
     def _common(self) -> list[str]:
-        return ["--etcd-endpoints", self.etcd.endpoint]
+        shards = ["--etcd-shards", ";".join(s.endpoint for s in self.etcd_shards)] if self.shard_etcds else []
+        return ["--etcd-endpoints", self.etcd.endpoint, *shards]
+
+    @property
+    def etcd_shards(self) -> list[EtcdServer]:
+        """Every index shard's etcd server, shard 0 (self.etcd) first."""
+        return [self.etcd, *self.shard_etcds] if self.etcd is not None else []
 
     def _model(self) -> list[str]:
         return model_args(self.vllm)
@@ -144,8 +156,8 @@ class LocalCluster:
             child.stop()
         for server in self.vllm_servers.values():
             server.stop()
-        if self.etcd is not None:
-            self.etcd.close()
+        for server in self.etcd_shards:
+            server.close()
         if getattr(self, "_temp_logs", None) is not None:
             self._temp_logs.close()
 
@@ -162,6 +174,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker (repeatable)")
     parser.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeatable)")
     parser.add_argument("--log-dir", default="", help="keep component logs here (default: a temp dir, removed at exit)")
+    parser.add_argument("--index-shards", type=int, default=1,
+                        help="etcd servers the block index spreads over by key hash (default 1; docs/how-it-works.md)")
     parser.add_argument("--lora-nodes", type=int, default=None,
                         help="--lora-modules: load them on the first N vLLM servers only (default: all)")
     add_vllm_arguments(parser)
@@ -173,13 +187,14 @@ def run(args: argparse.Namespace) -> int:
                            log_dir=Path(args.log_dir) if args.log_dir else None,
                            vllm=vllm_config(args), num_vllm=args.vllm, vllm_connector=args.vllm_connector,
                            num_vllm_prefill=args.vllm_prefill, num_vllm_decode=args.vllm_decode,
-                           lora_nodes=args.lora_nodes)
+                           lora_nodes=args.lora_nodes, num_index_shards=args.index_shards)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     with cluster:
         print(f"prefixpool is up: {cluster.router_url}  (OpenAI API at {cluster.router_url}/v1)", flush=True)
         nodes = [c.url for c in [*cluster.workers.values(), *cluster.sidecars.values()]]
-        print(f"etcd {cluster.etcd.endpoint}; workers: {', '.join(nodes)}", flush=True)
+        etcd = ";".join(server.endpoint for server in cluster.etcd_shards)
+        print(f"etcd {etcd}; workers: {', '.join(nodes)}", flush=True)
         print("Ctrl-C drains and stops everything.", flush=True)
         try:
             stopping.wait()

@@ -39,6 +39,7 @@ from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.meta.load_publisher import LoadPublisher, LoadPublisherConfig
 from prefixpool.meta.mirror import Mirror
+from prefixpool.meta.sharded_mirror import ShardedMirror, index_mirror
 from prefixpool.model.source import MODEL_ERRORS, cache_namespace, model_config, tokenizer_for
 from prefixpool.deploy.processes import announce_ready, start_logging
 from prefixpool.deploy.router_processes import run_processes
@@ -115,9 +116,10 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
-    etcd = EtcdClient(settings.etcd_endpoints)
+    clients = [EtcdClient(endpoints) for endpoints in settings.shard_endpoints]
+    etcd = clients[0]  # the home shard: node records and router loads
     layout = Layout(settings.cluster)
-    mirror = Mirror(etcd, layout)
+    mirror = index_mirror(clients, layout)
     client = WorkerClient(settings.worker_token, read_timeout_s=settings.request_timeout_s)
     router = build_router(settings, mirror, client)
     vllm = router.kind_clients["vllm"] = VllmClient(settings.model, read_timeout_s=settings.request_timeout_s)
@@ -156,10 +158,11 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
     await publisher.stop()
     await vllm.close()
     await mirror.stop()
-    await etcd.close()
+    for client in clients:
+        await client.close()
 
 
-async def _follow_prefill_speed(router: Router, mirror: Mirror, period_s: float = 2.0) -> None:
+async def _follow_prefill_speed(router: Router, mirror: Mirror | ShardedMirror, period_s: float = 2.0) -> None:
     while True:
         await asyncio.sleep(period_s)
         speeds = [n.prefill_tokens_per_s for n in mirror.nodes.values() if n.prefill_tokens_per_s > 0]

@@ -2,8 +2,8 @@
 
     shard_of(key) = bytes 8..12 of the key, little-endian, mod K     (the key is a hash already:
                                                                       nothing is hashed again)
-    (bytes 8..12: independent of what the compact index slots by, its first 8 bytes, and of what
-    makes a run boundary, the last byte: every shard sees the same mix of both)
+    (bytes 8..12, not the last byte, which makes a run boundary (meta/runs.py): every shard gets
+    the same share of boundaries; the router index's fingerprint mixes all 16 bytes anyway)
     shard 0 is the home shard: the node's record there carries its load (what routers read), and
     routers publish their in-flight load there; every shard holds the node's record once per
     lease, under that shard's own lease, so each shard is a whole etcd cluster of its own

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
-from prefixpool.meta.mirror import Mirror
+from prefixpool.meta.sharded_mirror import index_mirror
 from prefixpool.vllm_connector.config import POOL_KIND, ConnectorConfig
 from prefixpool.vllm_connector.handoff import Handoff
 from prefixpool.vllm_connector.loop_thread import LoopThread
@@ -85,8 +85,8 @@ class SchedulerSide:
         self.block_size = namespace.block_size
         self.node_id = config.pool_node_id()
         self._loop = LoopThread("prefixpool-scheduler")
-        self._etcd = EtcdClient(config.etcd_endpoints)
-        self._mirror = Mirror(self._etcd, Layout(config.cluster))
+        self._clients = [EtcdClient(endpoints) for endpoints in config.shard_endpoints()]
+        self._mirror = index_mirror(self._clients, Layout(config.cluster))  # every index shard, when sharded
         self._loop.run(self._mirror.start())
         self._plans: dict[str, tuple[Plan, int]] = {}  # request -> (plan, blocks vLLM computes itself)
         self._loads: dict[str, tuple[Plan, int, bool]] = {}  # ... and whether it loads in the background
@@ -96,7 +96,8 @@ class SchedulerSide:
 
     def close(self) -> None:
         self._loop.run(self._mirror.stop())
-        self._loop.run(self._etcd.close())
+        for client in self._clients:
+            self._loop.run(client.close())
         self._loop.close()
 
     def num_matched(self, request_id: str, tokens: list[int], salt: str | None, lora: str | None,
