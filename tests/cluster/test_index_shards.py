@@ -8,13 +8,21 @@
     shard 1 back with its disk wiped -> the nodes' leases there are gone: they register again and
         re-put that shard's keys; the mirror resyncs and equals the oracle again (a's new state)
     node a leaves -> its keys and record leave both shards; b's stay
+    a live cluster (2 workers, a router, 2 etcd servers): prompts match across both shards; shard 1
+        SIGKILLed -> shorter matches, the same answers; a worker SIGKILLed -> its keys leave both
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
+
+import openai
 
 from prefixpool.deploy.etcd_server import EtcdServerError
+from prefixpool.deploy.launcher import LocalCluster
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.index import BlockIndex
 from prefixpool.meta.layout import Layout
@@ -25,6 +33,7 @@ from prefixpool.meta.sharded_mirror import ShardedMirror
 from prefixpool.meta.shards import ShardedMembership, ShardedPublisher, node_index, shard_of
 from prefixpool.store.keys import Namespace, chain_ids
 from prefixpool.store.tier_names import DEVICE
+from tests.cluster.test_e2e import SHARED, WORKER_ARGS, _wait_for_workers, complete, post
 from tests.conftest import etcdctl_get_prefix
 
 NAMESPACE = Namespace("index-shards", block_size=4)
@@ -155,3 +164,49 @@ def test_two_shards_split_answer_lose_one_resync_and_leave(etcd_shards, ns):
                 await client.close()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_cluster_over_two_shards_survives_losing_one():
+    """`prefixpool up --index-shards 2`: real workers and router; shard 1 SIGKILLed -> the router's match
+    for a cached prompt shrinks, answers stay equal to the first (cold) one; a worker SIGKILLed -> its
+    keys leave both shards by lease expiry."""
+    with LocalCluster(num_workers=2, worker_args=WORKER_ARGS, num_index_shards=2) as cluster:
+        url, shard0, shard1 = cluster.router_url, *cluster.etcd_shards
+        _wait_for_workers(url, 2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        prompt = SHARED * 3 + "Which shard holds this block?"
+        body = {"model": "tiny", "prompt": prompt, "cache_salt": "shards"}
+        first = complete(client, prompt, salt="shards")
+        full = post(url, "/v1/route", body)[1]["num_blocks"]
+        _until(lambda: max(post(url, "/v1/route", body)[1]["matches"].values(), default=0) >= full - 1 > 10,
+               "the prompt matched across both shards")  # published after the answer: not at once
+        holder = max((route := post(url, "/v1/route", body)[1])["matches"], key=route["matches"].get)
+        held = [blocks_of(server, holder) for server in (shard0, shard1)]
+        assert held[0] and held[1] and not held[0] & held[1]  # its keys landed on both shards, each on one
+
+        shard1.kill()
+        _until(lambda: post(url, "/v1/route", body)[1]["matches"].get(holder, 0) < full - 1, "a shorter match")
+        again = complete(client, prompt, salt="shards")
+        assert again.choices[0].text == first.choices[0].text
+        assert complete(client, SHARED + "A new question.", salt="new").usage.completion_tokens == 12
+
+        restart_wiped(shard1)  # back empty: the workers register again and re-put shard 1's keys
+        _until(lambda: post(url, "/v1/route", body)[1]["matches"].get(holder, 0) >= full - 1, "the match back")
+        os.kill(cluster.workers[holder].pid, signal.SIGKILL)
+        for server in (shard0, shard1):
+            _until(lambda: not blocks_of(server, holder), f"{holder}'s keys gone from {server.endpoint}")
+        assert complete(client, prompt, salt="shards").choices[0].text == first.choices[0].text
+
+
+def blocks_of(server, node_id: str) -> set[bytes]:
+    """The node's block keys in one etcd server of the cluster `default`, read by etcdctl."""
+    _, kvs = etcdctl_get_prefix(server, "/prefixpool/default/blocks/")
+    return {k for k in kvs if k.endswith(b"/" + node_id.encode())}
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
+        time.sleep(0.1)
