@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from prefixpool.deploy.settings import setting
+from prefixpool.meta.runs import check_run_blocks
 from prefixpool.meta.shards import parse_shards
 
 
@@ -25,9 +26,12 @@ class CommonSettings:
                               "empty uses the preset")
     dtype: str = setting("float32", "model and KV dtype: float32, bfloat16 or float16 (enters the block-key namespace)")
     block_size: int = setting(16, "tokens per KV block (enters the block-key namespace)")
+    publish_run_blocks: int = setting(1, "nodes publish one etcd key per run of about N blocks, routers match at "
+                                         "that granularity (a power of two up to 256; docs/capacity.md); 1: per block")
 
     def __post_init__(self) -> None:
         """With index shards, --etcd-endpoints is shard 0: left at its default it becomes shard 0, else it must be."""
+        check_run_blocks(self.publish_run_blocks)
         shards = parse_shards(self.etcd_shards)
         if not shards:
             return

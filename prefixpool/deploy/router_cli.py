@@ -38,7 +38,7 @@ from prefixpool.deploy.addresses import AddressError, advertise_host, bind_host
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.meta.load_publisher import LoadPublisher, LoadPublisherConfig
-from prefixpool.meta.mirror import Mirror
+from prefixpool.meta.mirror import Mirror, MirrorConfig
 from prefixpool.meta.sharded_mirror import ShardedMirror, index_mirror
 from prefixpool.model.source import MODEL_ERRORS, cache_namespace, model_config, tokenizer_for
 from prefixpool.deploy.processes import announce_ready, start_logging
@@ -119,7 +119,7 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
     clients = [EtcdClient(endpoints) for endpoints in settings.shard_endpoints]
     etcd = clients[0]  # the home shard: node records and router loads
     layout = Layout(settings.cluster)
-    mirror = index_mirror(clients, layout)
+    mirror = index_mirror(clients, layout, MirrorConfig(run_blocks=settings.publish_run_blocks))
     client = WorkerClient(settings.worker_token, read_timeout_s=settings.request_timeout_s)
     router = build_router(settings, mirror, client)
     vllm = router.kind_clients["vllm"] = VllmClient(settings.model, read_timeout_s=settings.request_timeout_s)

@@ -92,6 +92,7 @@ def node_config(settings: WorkerSettings, host: str, advertise: str) -> NodeConf
                       cluster=settings.cluster,
                       transfer_url=f"{settings.transfer}://{host}:{settings.transfer_port}", advertise_host=advertise,
                       token=settings.token, lease_ttl_s=settings.lease_ttl_s,
+                      publish_run_blocks=settings.publish_run_blocks,
                       faults=Faults(corrupt_every=settings.corrupt_transfer_every))
 
 

@@ -30,6 +30,7 @@ from prefixpool.meta.background import stop_task
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.meta.membership import MembershipConfig, NodeRecord
+from prefixpool.meta.publisher import PublisherConfig
 from prefixpool.meta.shards import node_index
 from prefixpool.node.exchange import BlockExchange
 from prefixpool.node.faults import Faults
@@ -53,6 +54,7 @@ class NodeConfig:
     advertise_host: str = ""  # the host peers are told (default: the one bound)
     token: str = ""  # shared transfer secret
     lease_ttl_s: int = 10
+    publish_run_blocks: int = 1  # one etcd key per run of about this many blocks (meta/runs.py)
     collect_s: float = 0.2  # SSD writes finished -> published
     faults: Faults = Faults()
 
@@ -67,7 +69,8 @@ class NodeCore:
         self.clients = [EtcdClient(endpoints) for endpoints in config.etcd_shards or (config.etcd_endpoints,)]
         self.etcd = self.clients[0]  # the home shard (the only one unless index shards are on)
         self.membership, self.publisher = node_index(self.clients, Layout(config.cluster), record, blocks.entries,
-                                                     MembershipConfig(ttl_s=config.lease_ttl_s))
+                                                     MembershipConfig(ttl_s=config.lease_ttl_s),
+                                                     PublisherConfig(run_blocks=config.publish_run_blocks))
         self.exchange = BlockExchange(blocks, arena, self.publisher, self.fetcher)
         self._collect: asyncio.Task | None = None
 
