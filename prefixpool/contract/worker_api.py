@@ -68,12 +68,17 @@ class RequestLimits:
 
 
 class FetchPlan(msgspec.Struct, frozen=True):
-    """Fetch blocks [start, end) of the request's chain from `peer`."""
+    """Fetch blocks [start, end) of the request's chain from `peer`.
+
+    With `wait_s` > 0 the peer is a prefill node still computing them (a disaggregated request): the
+    worker fetches each block as the peer commits it, and gives up on the rest (computing it itself)
+    once no new block came for `wait_s` seconds."""
 
     peer: Name
     transfer_url: Annotated[str, msgspec.Meta(max_length=512)]
     start: BlockIndex
     end: BlockIndex
+    wait_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 0.0
 
 
 class SamplingError(ValueError):
@@ -134,6 +139,7 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     computed_tokens: int
     fetched_bytes: int
     ttft_s: float
+    handoff_s: float = 0.0  # a disaggregated request: from its arrival until the prefill node's blocks were in
 
     @property
     def cached_tokens(self) -> int:

@@ -2,6 +2,7 @@
 
     cluster = LocalCluster(num_workers=2).start()   # prints nothing; .router_url
     LocalCluster(num_index_shards=2)                # block keys over 2 etcd servers (meta/shards.py)
+    LocalCluster(num_workers=0, num_prefill=1, num_decode=1)   # prefill-0 hands prompts to decode-0
     ...
     cluster.stop()                                  # by PID, each drains on SIGTERM; no process left
 
@@ -43,6 +44,8 @@ class LocalCluster:
     etcd: EtcdServer | None = None
     num_index_shards: int = 1  # etcd servers the block keys spread over; self.etcd is shard 0
     shard_etcds: list[EtcdServer] = field(default_factory=list)  # shards 1.. (none with one shard)
+    num_prefill: int = 0  # our workers with --role prefill (prefill-i) and --role decode (decode-i), beside num_workers
+    num_decode: int = 0
     workers: dict[str, Child] = field(default_factory=dict)
     routers: dict[str, Child] = field(default_factory=dict)
     vllm: VllmConfig | None = None  # with num_vllm > 0: vLLM servers and their sidecars
@@ -67,6 +70,9 @@ class LocalCluster:
             self.shard_etcds = [EtcdServer().start() for _ in range(self.num_index_shards - 1)]
             for i in range(self.num_workers):
                 self.start_worker(f"worker-{i}")
+            for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+                for i in range(count):
+                    self.start_worker(f"{role}-{i}", role)
             self.start_vllm(list(self.vllm_roles))
             self.start_router("router")
         except BaseException:
@@ -119,9 +125,10 @@ class LocalCluster:
         self.sidecars[node_id] = child
         return child
 
-    def start_worker(self, node_id: str) -> Child:
-        child = spawn(node_id, python_argv("worker", "--node-id", node_id, *self._common(), *self.worker_args),
-                      self.log_dir, self.env)
+    def start_worker(self, node_id: str, role: str = "both", extra_args: tuple[str, ...] = ()) -> Child:
+        """Our worker `node_id`; `role` prefill or decode for a disaggregated fleet (both: whole requests)."""
+        child = spawn(node_id, python_argv("worker", "--node-id", node_id, *self._common(), *self.worker_args,
+                                           "--role", role, *extra_args), self.log_dir, self.env)
         self.workers[node_id] = child
         return child
 
@@ -171,6 +178,11 @@ class LocalCluster:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="worker processes to start (default 2; 0 with --vllm)")
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="our workers with --role prefill: they compute prompts for the decode nodes")
+    parser.add_argument("--decode", type=int, default=0,
+                        help="our workers with --role decode: they stream answers, receiving prompts' KV from "
+                             "the prefill nodes (docs/disaggregation.md)")
     parser.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker (repeatable)")
     parser.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeatable)")
     parser.add_argument("--log-dir", default="", help="keep component logs here (default: a temp dir, removed at exit)")
@@ -182,12 +194,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    workers = args.workers if args.workers is not None else (0 if num_vllm_servers(args) else 2)
+    split = args.prefill + args.decode  # a disaggregated fleet of our workers: no role-both worker unless asked
+    workers = args.workers if args.workers is not None else (0 if num_vllm_servers(args) or split else 2)
     cluster = LocalCluster(workers, tuple(args.worker_arg), tuple(args.router_arg),
                            log_dir=Path(args.log_dir) if args.log_dir else None,
                            vllm=vllm_config(args), num_vllm=args.vllm, vllm_connector=args.vllm_connector,
                            num_vllm_prefill=args.vllm_prefill, num_vllm_decode=args.vllm_decode,
-                           lora_nodes=args.lora_nodes, num_index_shards=args.index_shards)
+                           lora_nodes=args.lora_nodes, num_prefill=args.prefill, num_decode=args.decode,
+                           num_index_shards=args.index_shards)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     with cluster:

@@ -46,6 +46,7 @@ from prefixpool.deploy.router_processes import run_processes
 from prefixpool.deploy.router_settings import RouterSettings
 from prefixpool.deploy.settings import add_flags, from_args
 from prefixpool.router.cost_model import CostModel
+from prefixpool.router.conductor import ConductorConfig
 from prefixpool.contract.drain import Drain
 from prefixpool.router.http import build_app
 from prefixpool.router.service import Router, RouterConfig
@@ -102,7 +103,8 @@ def build_router(settings: RouterSettings, view, client: WorkerClient) -> Router
         model=settings.model, namespace=cache_namespace(config, settings.dtype, settings.block_size),
         max_context=config.max_position, vocab_size=config.vocab_size, policy=settings.policy,
         router_id=settings.router_id, api_key=settings.api_key, max_retries=settings.max_retries,
-        default_max_tokens=settings.default_max_tokens)
+        default_max_tokens=settings.default_max_tokens, handoff_wait_s=settings.pd_handoff_wait_s,
+        conductor=ConductorConfig(settings.pd_interference_weight, settings.pd_handoff_setup_s))
     return Router(router_config, tokenizer_for(settings.model_path), view, client, costs)
 
 

@@ -29,6 +29,13 @@ class RouterSettings(CommonSettings):
     link_bytes_per_s: float = setting(1e9, "bandwidth between workers assumed by the cost model")
     lost_reuse_weight: float = setting(2.0, "cost policy: weight on recomputing a prefix another node holds, "
                                        "beyond this request's TTFT (the work later requests queue behind)")
+    pd_interference_weight: float = setting(1.0, "prefill/decode fleets: seconds of stalled decoding priced per "
+                                            "second of prompt compute on a decoding node, per request it decodes "
+                                            "(higher disaggregates shorter prompts)")
+    pd_handoff_setup_s: float = setting(0.005, "prefill/decode fleets: fixed cost of a handoff (a second request, "
+                                        "the decode node's first poll)")
+    pd_handoff_wait_s: float = setting(5.0, "a decode node computes the rest itself once the prefill node's blocks "
+                                       "stop coming for this long (plus twice the predicted prefill)")
     processes: int = setting(1, "router processes serving one port (SO_REUSEPORT), each with its own etcd mirror")
     router_id: str = setting("", "this router's name in etcd (its load entry); empty: <hostname>-<pid>")
     lease_ttl_s: int = setting(10, "TTL of the router's etcd lease: a dead router's load entry vanishes after it")

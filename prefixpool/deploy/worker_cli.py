@@ -29,6 +29,7 @@ from prefixpool.deploy.addresses import WILDCARDS, AddressError, advertise_host,
 from prefixpool.engine.scheduler import Engine
 from prefixpool.meta.load_report import Load, report_load
 from prefixpool.meta.membership import NodeRecord
+from prefixpool.router.conductor import ROLES
 from prefixpool.model.config import arena_shape_for
 from prefixpool.engine.torch_dtype import resolve_device, torch_dtype
 from prefixpool.engine.checkpoint import build_model
@@ -56,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     start_logging()
     settings = from_args(WorkerSettings, args)
+    if settings.role not in ROLES:
+        print(f"prefixpool worker: --role {settings.role!r} is not one of {', '.join(ROLES)}", file=sys.stderr)
+        return 2
     try:
         host = bind_host(settings.host, settings.etcd_endpoints)
         advertise = advertise_host(host, settings.advertise_host, settings.etcd_endpoints)
@@ -93,7 +97,7 @@ def node_config(settings: WorkerSettings, host: str, advertise: str) -> NodeConf
                       transfer_url=f"{settings.transfer}://{host}:{settings.transfer_port}", advertise_host=advertise,
                       token=settings.token, lease_ttl_s=settings.lease_ttl_s,
                       publish_run_blocks=settings.publish_run_blocks,
-                      faults=Faults(corrupt_every=settings.corrupt_transfer_every))
+                      faults=Faults(corrupt_every=settings.corrupt_transfer_every, fault_file=settings.fault_file))
 
 
 async def serve(settings: WorkerSettings, host: str, advertise: str) -> None:
@@ -103,7 +107,7 @@ async def serve(settings: WorkerSettings, host: str, advertise: str) -> None:
     http_socket = _bind(host, settings.port)  # bound first: the record needs the real port
     http_url = f"http://{advertise}:{http_socket.getsockname()[1]}"
     record = NodeRecord(node_id, http_url, "", settings.block_size, settings.num_blocks, settings.model,
-                        namespace=engine.namespace.root().hex())
+                        namespace=engine.namespace.root().hex(), role=settings.role)
     core = await NodeCore.open(engine.blocks, engine.arena, node_config(settings, host, advertise), record)
     worker = Worker(engine, core.exchange, settings.fetch_timeout_s,
                     WorkerPeriods(soft_refresh_s=settings.soft_pin_refresh_s),

@@ -17,6 +17,8 @@ class WorkerSettings(CommonSettings):
     advertise_host: str = setting("", "address peers and the router use to reach this worker, put in etcd (default: "
                                   "host; with host 0.0.0.0 the address routing to etcd; "
                                   "never loopback into a remote etcd)")
+    role: str = setting("both", "prefill/decode disaggregation: prefill (computes prompts for decode nodes), decode "
+                        "(streams answers, receiving prompts' KV from prefill nodes) or both (serves whole requests)")
     transfer: str = setting("tcp", "block transfer transport: tcp or ucx")
     transfer_port: int = setting(0, "transfer server port (0 picks a free one)")
     drain_deadline_s: float = setting(20.0, "on SIGTERM, how long admitted requests may run on before they are "
@@ -38,6 +40,8 @@ class WorkerSettings(CommonSettings):
     token: str = setting("", "shared token required on the internal API and transfer port")
     corrupt_transfer_every: int = setting(0, "fault injection (chaos tests): flip a byte in blocks N, 2N, ... of "
                                           "every fetch served to peers; 0 is off")
+    fault_file: str = setting("", "fault injection (chaos tests): a file naming the fault of each fetch served to "
+                              "peers, read as it starts ('corrupt N', 'stall N', 'pause N'; prefixpool/node/faults.py)")
     host_tier_blocks: int = setting(0, "blocks in the host-memory tier under the device pool (0: no host tier)")
     disk_tier_blocks: int = setting(0, "blocks in the local SSD tier (0: no SSD tier)")
     disk_tier_dir: str = setting("", "directory of the SSD tier's block files (kept across restarts)")

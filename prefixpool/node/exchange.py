@@ -54,8 +54,10 @@ class BlockExchange:
                  fetcher: FetchesBlocks) -> None:  # fmt: skip
         self.blocks, self.arena, self.publisher, self.fetcher = blocks, arena, publisher, fetcher
 
-    async def fetch(self, peer_url: str, keys: Sequence[BlockKey], deadline_s: float) -> Fetched:
-        """The longest prefix of `keys` the peer still holds, into this node's blocks (see the module doc)."""
+    async def fetch(self, peer_url: str, keys: Sequence[BlockKey], deadline_s: float,
+                    partial_ok: bool = False) -> Fetched:
+        """The longest prefix of `keys` the peer still holds, into this node's blocks (see the module doc).
+        `partial_ok`: a short answer is expected (a prefill node still computing the rest), not worth a warning."""
         try:
             result = await self.fetcher.fetch(peer_url, keys, self.blocks, self.arena, deadline_s=deadline_s)
         except TransferError as err:
@@ -67,7 +69,7 @@ class BlockExchange:
         except PoolExhausted as err:  # the free blocks are within their minimum residency
             log.info("no room to fetch from %s (%s); recomputing", peer_url, err)
             return Fetched(None, 0, 0)
-        if result.num_blocks < len(keys):
+        if result.num_blocks < len(keys) and not partial_ok:
             log.warning("fetch from %s: %d of %d blocks arrived intact", peer_url, result.num_blocks, len(keys))
         self.publish([*result.keys, *result.evicted])
         return Fetched(result.hold, result.num_blocks, result.num_bytes)

@@ -44,6 +44,15 @@ class RouterMetrics:
         self.forgone_blocks = Counter("prefixpool_forgone_hit_blocks", "Blocks some node held for the prompt that "
                                       "the route did not count on (sent elsewhere for load)", registry=r)
         self.retries = Counter("prefixpool_retries", "Requests retried on another worker", registry=r)
+        self.handoffs = Counter("prefixpool_pd_handoffs", "Disaggregated requests: prefilled on a prefill node, "
+                                "decoded on a decode node", registry=r)
+        self.handoff_bytes = Counter("prefixpool_pd_handoff_bytes", "KV bytes moved from prefill to decode nodes",
+                                     registry=r)
+        self.handoff_seconds = Histogram("prefixpool_pd_handoff_seconds", "A decode node's wait from the request's "
+                                         "arrival until the prefill node's blocks were in", buckets=TTFT_BUCKETS,
+                                         registry=r)
+        self.role_inflight = Gauge("prefixpool_role_inflight", "Requests in flight per node role (prefill, decode, "
+                                   "both)", ["role"], registry=r, multiprocess_mode="livesum")
         self.inflight = Gauge("prefixpool_worker_inflight", "Requests in flight per worker", ["worker"], registry=r,
                               multiprocess_mode="livesum")
         self.queued_tokens = Gauge("prefixpool_worker_queued_prefill_tokens", "Prefill tokens queued per worker",
@@ -73,6 +82,11 @@ class RouterMetrics:
             self.missed_plans.inc()
         else:
             self.unplanned_blocks.inc(cached_blocks - planned_blocks)
+
+    def observe_handoff(self, num_bytes: int, seconds: float) -> None:
+        """A decode node's Usage of a disaggregated request: what it received, and how long it waited."""
+        self.handoff_bytes.inc(num_bytes)
+        self.handoff_seconds.observe(seconds)
 
     def render(self) -> bytes:
         shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")

@@ -35,9 +35,11 @@ from prefixpool.router.openai_schema import ChatBody, CompletionBody, RouteBody,
 from prefixpool.router.cost_model import CostModel
 from prefixpool.router.detokenizer import TokenTexts
 from prefixpool.router.policy import NodeLoad, Plan, Policy, RouteRequest, policies, reusable_blocks
+from prefixpool.router.conductor import BOTH, ConductorConfig, conduct, is_disaggregated
+from prefixpool.router.prefill_leg import PrefillLeg
 from prefixpool.model.chat_template import ChatTemplateError
 from prefixpool.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Token, Usage
-from prefixpool.router.fleet import admit, kind_of, pools_of, serving, transfer_nodes, with_own_pools
+from prefixpool.router.fleet import OWN_KIND, admit, kind_of, pools_of, serving, transfer_nodes, with_own_pools
 from prefixpool.router.served_models import adapter_for
 from prefixpool.router.vllm_pair import is_vllm_pair, pair_stream
 from prefixpool.router.worker_client import WorkerClient, WorkerUnreachable
@@ -102,6 +104,8 @@ class RouterConfig:
     api_key: str = ""
     max_retries: int = 2
     default_max_tokens: int = 64
+    conductor: ConductorConfig = ConductorConfig()  # prefill/decode disaggregation (fleets with roles)
+    handoff_wait_s: float = 5.0  # a decode node gives up on blocks that stop coming for this long (+ the prediction)
 
 
 class Router:
@@ -203,6 +207,9 @@ class Router:
         loads = {n: self._load(n, w) for n, w in workers.items()}
         request = RouteRequest(len(prepared.ids), len(keys), self._lower_tiers(keys, matches),
                                transfer_nodes(workers, pools), keys)
+        roles = {n: getattr(w, "role", BOTH) for n, w in workers.items()}
+        if is_disaggregated(roles):  # prefill and decode nodes: the conductor pairs them, or serves in place
+            return conduct(request, matches, roles, loads, self.costs, self.config.conductor, explain=explain), matches
         return self._choose(request, matches, loads, self.costs, self.rng, explain=explain), matches
 
     def _lower_tiers(self, keys: list[BlockKey], matches: dict[str, int]) -> dict[str, dict[str, int]]:
@@ -240,6 +247,8 @@ class Router:
                 "loads": {n: {"requests": load.num_running, "queued_prefill_tokens": load.queued_prefill_tokens}
                           for n, load in loads.items()},
                 "kinds": {n: kind_of(w) for n, w in self.live_workers().items()}, "refused": self.refused_workers(),
+                "roles": {n: getattr(w, "role", BOTH) for n, w in self.live_workers().items()},
+                "prefill": None, "decode": None,  # a disaggregated fleet's plan names both (PDPlan.explain)
                 **plan.explain()}
 
     # -- generation ----------------------------------------------------------------------------
@@ -261,6 +270,7 @@ class Router:
             worker = self.live_workers()[plan.worker]
             ticket = self.inflight.begin(plan.worker, plan.prefill_tokens)
             streamed = False
+            leg = self._start_prefill(prepared, plan, worker, emitted)
             try:
                 client = self.kind_clients.get(kind_of(worker), self.client)
                 stream = self._stream(client, worker, plan, self._worker_request(prepared, plan, emitted))
@@ -278,6 +288,8 @@ class Router:
                         if isinstance(event, Done):
                             event = _resumed_usage(event, len(emitted) - event.usage.completion_tokens)
                             self._observe(prepared, plan, event.usage, max(matches.values(), default=0))
+                            if leg is not None:
+                                self.metrics.observe_handoff(event.usage.fetched_bytes, event.usage.handoff_s)
                         yield event
                 return
             except WorkerUnreachable as err:
@@ -289,6 +301,8 @@ class Router:
                 self.metrics.retries.inc()
             finally:
                 self.inflight.end(ticket)
+                if leg is not None:
+                    await leg.close()  # a prefill node never keeps a finished request's blocks
         if refused is not None:
             yield refused
             return
@@ -313,13 +327,28 @@ class Router:
                      prepared.request_id, planned, plan.worker, cached, prepared.keys[cached].hex())
         self.metrics.observe_plan(planned, cached, min(held_blocks, reusable_blocks(u.prompt_tokens, block_size)))
 
+    def _start_prefill(self, prepared: Prepared, plan: Plan, worker: WorkerInfo,
+                       emitted: list[int]) -> PrefillLeg | None:
+        """Our workers' handoff: the prefill node's request, sent now beside the decode node's (None in place)."""
+        prefill = getattr(plan, "prefill", None)
+        node = self.live_workers().get(prefill.worker) if prefill is not None else None
+        if node is None or kind_of(node) != OWN_KIND or kind_of(worker) != OWN_KIND:
+            return None  # in place, the prefill node gone, or a vLLM pair (its connector hands off)
+        request = msgspec.structs.replace(self._worker_request(prepared, prefill, emitted),
+                                          request_id=prepared.request_id + "-prefill",
+                                          sampling=SamplingParams(max_tokens=1))
+        ticket = self.inflight.begin(prefill.worker, prefill.prefill_tokens)
+        self.metrics.handoffs.inc()
+        return PrefillLeg.start(self.client, node.http_url, request, lambda: self.inflight.end(ticket))
+
     def _worker_request(self, prepared: Prepared, plan: Plan, emitted: list[int]) -> GenerateRequest:
         """The request for one attempt; a resumed one asks for the rest after the tokens already emitted."""
         fetch = None
         if plan.fetch_from is not None:
             peer = self.live_workers().get(plan.fetch_from)
             if peer is not None:
-                fetch = FetchPlan(plan.fetch_from, peer.transfer_url, plan.fetch_start, plan.fetch_end)
+                fetch = FetchPlan(plan.fetch_from, peer.transfer_url, plan.fetch_start, plan.fetch_end,
+                                  self._handoff_wait_s(plan))
         sampling = prepared.sampling
         if emitted:
             sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(emitted))
@@ -327,6 +356,11 @@ class Router:
             request_id=prepared.request_id, tokens=_packed(prepared.ids, emitted), sampling=sampling,
             cache_salt=prepared.cache_salt, fetch=fetch, adapter=prepared.adapter or "",
         )
+
+    def _handoff_wait_s(self, plan: Plan) -> float:
+        """0 for a plain fetch; for a handoff, how long the decode node waits for blocks that stop coming."""
+        prefill = getattr(plan, "prefill", None)
+        return 0.0 if prefill is None else self.config.handoff_wait_s + 2 * prefill.predicted_ttft_s
 
     def failure(self, event: Failed) -> APIError:
         """A worker's 4xx (a request no worker can ever serve) stays a 4xx; anything else is a 503."""
@@ -341,10 +375,15 @@ class Router:
         self.metrics.workers.set(len(workers))
         self.metrics.index_keys.set(self.view.num_keys())
         self.metrics.mirror_lag.set(self.view.lag_s())
-        for node_id in workers:
+        by_role: dict[str, int] = {}
+        for node_id, worker in workers.items():
             load = self.inflight.load_of(node_id)
             self.metrics.inflight.labels(node_id).set(load.num_queued + load.num_running)
             self.metrics.queued_tokens.labels(node_id).set(load.queued_prefill_tokens)
+            role = getattr(worker, "role", BOTH)
+            by_role[role] = by_role.get(role, 0) + load.num_queued + load.num_running
+        for role, count in by_role.items():
+            self.metrics.role_inflight.labels(role).set(count)
 
 
 def _packed(ids: np.ndarray, emitted: list[int]) -> bytes:

@@ -30,8 +30,9 @@ from typing import AsyncIterator
 
 from prefixpool.engine.batch import Batch, TokenEvent
 from prefixpool.engine.scheduler import Engine
-from prefixpool.contract.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage, WorkerLoad
+from prefixpool.contract.worker_api import Done, Event, Failed, FetchPlan, GenerateRequest, Token, Usage, WorkerLoad
 from prefixpool.node.exchange import BlockExchange
+from prefixpool.worker.handoff import HandoffStats, receive
 from prefixpool.store.keys import BlockKey, chain
 from prefixpool.store.node_blocks import Hold
 from prefixpool.store.tier_names import DEVICE
@@ -56,6 +57,7 @@ class _Stream:
     holds: list[Hold] = field(default_factory=list)
     promoted_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
+    handoff_s: float = 0.0
 
 
 class Worker:
@@ -75,6 +77,7 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         self._prefill_tokens = 0
         self._prefill_seconds = 0.0
+        self.handoffs = HandoffStats()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -129,6 +132,9 @@ class Worker:
         plan = request.fetch
         local = len(self.blocks.match(keys))
         end = min(plan.end, len(keys))
+        if plan.wait_s > 0:  # a handoff: the peer is a prefill node still computing these blocks
+            await self._receive(plan, keys, end, stream)
+            return
         if end <= local:
             return
         fetched = await self.exchange.fetch(plan.transfer_url, keys[local:end], self.fetch_timeout_s)
@@ -137,6 +143,19 @@ class Worker:
         stream.holds.append(fetched.hold)  # held until the request ends, so admission finds them
         stream.fetched_tokens = fetched.num_blocks * self.namespace.block_size
         stream.fetched_bytes = fetched.num_bytes
+
+    async def _receive(self, plan: FetchPlan, keys: list[BlockKey], end: int, stream: _Stream) -> None:
+        """Fetch the prefill node's blocks as it commits them (worker/handoff.py); what never came is computed."""
+        received = await receive(self.exchange, keys, plan.transfer_url, end, wait_s=plan.wait_s,
+                                 fetch_timeout_s=self.fetch_timeout_s)
+        stream.holds.extend(received.holds)
+        stream.fetched_tokens = received.num_blocks * self.namespace.block_size
+        stream.fetched_bytes = received.num_bytes
+        stream.handoff_s = time.perf_counter() - stream.started
+        self.handoffs.observe(received, stream.handoff_s)
+        if not received.complete:
+            log.warning("handoff from %s: %d of %d blocks arrived; computing the rest here", plan.peer,
+                        len(self.blocks.match(keys[:end])), end)
 
     def _promote(self, keys: list[BlockKey], stream: _Stream) -> None:
         """Copy the host/SSD run after the device prefix up, and hold it until the request ends."""
@@ -214,7 +233,7 @@ class Worker:
             prompt_tokens=stats.num_prompt_tokens, completion_tokens=stats.num_output_tokens,
             local_hit_tokens=stats.num_cached_tokens - fetched, fetched_tokens=fetched,
             computed_tokens=stats.num_computed_tokens, fetched_bytes=stream.fetched_bytes,
-            ttft_s=stats.ttft_s or (time.perf_counter() - stream.started)))
+            ttft_s=stats.ttft_s or (time.perf_counter() - stream.started), handoff_s=stream.handoff_s))
 
     def _note_speed(self, batch: Batch, seconds: float) -> None:
         """Tokens through the model per second: the prefill speed the router's cost model uses."""
@@ -267,7 +286,7 @@ class Worker:
         return {"integrity": integrity, "num_blocks": pool.num_blocks, "num_free": pool.num_free,
                 "num_cached": pool.num_cached, "num_pinned": sum(1 for c in pool.ref_count if c > 0),
                 "num_streams": len(self._streams), "num_queued": self.engine.num_queued,
-                "num_running": self.engine.num_running}
+                "num_running": self.engine.num_running, "handoff": self.handoffs.report()}
 
 
 def _token(event: TokenEvent) -> Token:
