@@ -2,6 +2,7 @@
 
     prefixpool replay conversation --mode sim --nodes 8          # all policies side by side
     prefixpool replay conversation --mode live --router URL ...  # real TTFT and cached tokens
+    prefixpool replay conversation --sub-blocks 32 --run-blocks 1,16,32   # what run-granular publication costs
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from prefixpool.replay.report import plot, policy_table, sweep_table
+from prefixpool.replay.report import plot, policy_table, run_table, sweep_table
 from prefixpool.replay.simulator import SimConfig, hit_rate_bound, simulate
 from prefixpool.replay.trace import TRACE_BLOCK_TOKENS, load_trace
 from prefixpool.router.cost_model import PROFILES, profile
@@ -30,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", default="250,500,1000,2000,4000,8000,0",
                         help="sim: capacities for the sweep ('' to skip)")
     parser.add_argument("--slo", type=float, default=30.0, help="TTFT SLO in seconds")
+    parser.add_argument("--sub-blocks", type=int, default=1,
+                        help="sim: split each 512-token trace block into this many (32: 16-token blocks)")
+    parser.add_argument("--run-blocks", default="1",
+                        help="sim: the index learns one key per run of about N blocks (meta/runs.py); "
+                             "several, comma-separated: a table of hit rate and fetched blocks per N")
     parser.add_argument("--out", default="", help="directory for PNG plots and the markdown report")
     parser.add_argument("--router", default="http://127.0.0.1:8000", help="live: router URL")
     parser.add_argument("--model", default="tiny", help="live: model name to request")
@@ -41,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     records = load_trace(args.trace, args.limit)
+    if args.mode == "sim" and "," in args.run_blocks:
+        print(run_sim_runs(records, args))
+        return 0
     if args.mode == "live":
         from prefixpool.replay.live import LiveConfig, replay_live, summary_table
 
@@ -54,14 +63,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace, capacity: int, run_blocks: int) -> SimConfig:
+    return SimConfig(num_nodes=args.nodes, capacity_blocks=capacity or None, slo_s=args.slo,
+                     costs=profile(args.profile, TRACE_BLOCK_TOKENS // args.sub_blocks),
+                     sub_blocks=args.sub_blocks, run_blocks=run_blocks)
+
+
+def run_sim_runs(records, args: argparse.Namespace) -> str:
+    """Each policy at each run granularity N, side by side."""
+    start = time.perf_counter()
+    counts = [int(n) for n in args.run_blocks.split(",")]
+    results = [(n, simulate(records, name, _config(args, args.capacity, n)))
+               for name in args.policies.split(",") for n in counts]
+    block = TRACE_BLOCK_TOKENS // args.sub_blocks
+    return "\n".join([
+        f"### {Path(args.trace).stem}: {len(records):,} requests, {args.nodes} nodes, "
+        f"{args.capacity or 'unlimited'} x 512 tokens/node, {block}-token blocks, profile {args.profile}", "",
+        run_table(results, profile(args.profile, block).block_bytes), "",
+        f"(simulated in {time.perf_counter() - start:.1f} s)"])
+
+
 def run_sim(records, args: argparse.Namespace) -> str:
-    costs = profile(args.profile, TRACE_BLOCK_TOKENS)
-    config = SimConfig(num_nodes=args.nodes, capacity_blocks=args.capacity or None, costs=costs, slo_s=args.slo)
+    config = _config(args, args.capacity, int(args.run_blocks))
     start = time.perf_counter()
     results = [simulate(records, name, config) for name in args.policies.split(",")]
     sweep = []
     for capacity in [int(c) for c in args.sweep.split(",") if c.strip()]:
-        sized = SimConfig(args.nodes, capacity or None, costs, args.slo)
+        sized = _config(args, capacity, int(args.run_blocks))
         sweep.append((capacity or _unlimited(records), simulate(records, "cost", sized),
                       simulate(records, "cost_local", sized)))
     name = Path(args.trace).stem.replace("_trace", "")

@@ -12,6 +12,22 @@ import numpy as np
 from prefixpool.replay.simulator import SimResult
 
 
+def run_table(results: list[tuple[int, SimResult]], block_bytes: int) -> str:
+    """Hit rate and fetched blocks per run granularity N, against N = 1 of the same policy."""
+    base = {r.policy: r for n, r in results if n == 1}
+    lines = ["| policy | run blocks N | hit rate | vs N=1 | TTFT mean s | p99 | blocks fetched | vs N=1 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for n, r in results:
+        ref = base.get(r.policy)
+        fetched = r.bytes_transferred // block_bytes
+        hit = f"{(r.hit_rate / ref.hit_rate - 1) * 100:+.2f}%" if ref and ref.hit_rate else "-"
+        moved = (f"{(r.bytes_transferred / ref.bytes_transferred - 1) * 100:+.1f}%"
+                 if ref and ref.bytes_transferred else "-")
+        lines.append(f"| {r.policy} | {n} | {r.hit_rate:.4f} | {hit} | {r.ttft_s.mean():.2f} | {r.quantile(.99):.2f} | "
+                     f"{fetched:,} | {moved} |")
+    return "\n".join(lines)
+
+
 def policy_table(results: list[SimResult], slo_s: float) -> str:
     base = {r.policy: r for r in results}
     ref = base.get("cost")

@@ -29,6 +29,7 @@ from prefixpool.replay.sim_node import SimNode
 from prefixpool.replay.trace import TRACE_BLOCK_TOKENS, TraceRecord, keys_of
 from prefixpool.router.cost_model import CostModel
 from prefixpool.meta.index import BlockIndex
+from prefixpool.meta import runs
 from prefixpool.router.policy import NodeLoad, RouteRequest, policies
 from prefixpool.store.keys import BlockKey, Namespace
 
@@ -44,6 +45,8 @@ class SimConfig:
     seed: int = 0
     host_blocks: int = 0  # per node, under the device pool; 0 = no host tier
     disk_blocks: int = 0  # per node, local SSD; 0 = no SSD tier
+    sub_blocks: int = 1  # split each trace block into this many (32: 16-token blocks); capacity counts trace blocks
+    run_blocks: int = 1  # the index learns run-boundary keys only (prefixpool.meta.runs); nodes reuse block by block
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,8 @@ class SimResult:
 
 def _capacity(config: SimConfig, records: list[TraceRecord]) -> int:
     if config.capacity_blocks is not None:
-        return config.capacity_blocks
-    return len({i for r in records for i in r.hash_ids}) + 1
+        return config.capacity_blocks * config.sub_blocks
+    return (len({i for r in records for i in r.hash_ids}) + 1) * config.sub_blocks
 
 
 def simulate(records: list[TraceRecord], policy: str, config: SimConfig) -> SimResult:
@@ -120,7 +123,7 @@ class _Run:
             _, _, name, keys, tokens = heapq.heappop(self.finishing)
             node = self.nodes[name]
             node.queued_tokens -= tokens
-            for key in node.store(keys):
+            for key in runs.published(node.store(keys), self.config.run_blocks):  # what etcd would learn
                 tier = node.tier_of(key)
                 if tier is None:
                     self.index.remove(name, [key])
@@ -130,8 +133,8 @@ class _Run:
     def admit(self, seq: int, record: TraceRecord) -> None:
         """Route one arrival with the router's policy and queue its prefill on the chosen node."""
         costs, arrival = self.config.costs, record.timestamp_ms / 1000.0
-        keys = keys_of(record, NAMESPACE)
-        matches = self.index.longest_prefix(keys)
+        keys = keys_of(record, NAMESPACE, self.config.sub_blocks)
+        matches = runs.longest_prefix(self.index, keys, self.config.run_blocks)
         loads = {n: NodeLoad(queued_prefill_tokens=node.queued_tokens,
                              free_blocks=node.blocks.num_blocks - node.blocks.pool.num_cached)
                  for n, node in self.nodes.items()}
@@ -140,9 +143,10 @@ class _Run:
         plan = self.choose(request, matches, loads, costs, self.rng)
         node = self.nodes[plan.worker]
         read_s = sum(costs.tier_read_s(tier, n) for tier, n in lower.get(plan.worker, {}).items())
-        reused = min(plan.fetch_end * costs.block_size, record.input_length)
+        own = _own_prefix(node, keys) if self.config.run_blocks > 1 else plan.fetch_start
+        reused = min(max(plan.fetch_end, own) * costs.block_size, record.input_length)
         computed = max(1, record.input_length - reused)
-        fetched = plan.fetch_end - plan.fetch_start if plan.fetch_from else 0
+        fetched = max(0, plan.fetch_end - max(plan.fetch_start, own)) if plan.fetch_from else 0
         start = max(node.free_at, arrival + (costs.transfer_s(fetched) if plan.fetch_from else 0.0))
         prefill_s = read_s + costs.prefill_s(computed, reused)
         node.free_at, node.busy_s = start + prefill_s, node.busy_s + prefill_s
@@ -152,6 +156,14 @@ class _Run:
         self.fractions.append(reused / record.input_length)
         self.hit_tokens += reused
         self.moved += fetched * costs.block_bytes
+
+
+def _own_prefix(node: SimNode, keys: Sequence[BlockKey]) -> int:
+    """Blocks from keys[0] on the node really holds: its own pool matches block by block, runs or not."""
+    held = 0
+    while held < len(keys) and node.tier_of(keys[held]) is not None:
+        held += 1
+    return held
 
 
 def _lower_tiers(nodes: dict[str, SimNode], keys: Sequence[BlockKey], matches: dict[str, int]) -> dict:

@@ -44,8 +44,14 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRecord]:
     return records
 
 
-def keys_of(record: TraceRecord, namespace: Namespace) -> list[BlockKey]:
-    return chain_ids(record.hash_ids, namespace)
+def keys_of(record: TraceRecord, namespace: Namespace, sub_blocks: int = 1) -> list[BlockKey]:
+    """The record's chained keys; `sub_blocks` > 1 splits each 512-token block into that many smaller ones
+    (32: 16-token blocks, as a real fleet keys them) and keeps those that start within input_length."""
+    if sub_blocks == 1:
+        return chain_ids(record.hash_ids, namespace)
+    num = min(len(record.hash_ids) * sub_blocks, -(-record.input_length * sub_blocks // TRACE_BLOCK_TOKENS))
+    return chain_ids([hash_id * sub_blocks + j for hash_id in record.hash_ids for j in range(sub_blocks)][:num],
+                     namespace)
 
 
 def tokens_of(record: TraceRecord, block_tokens: int, vocab_size: int, input_length: int | None = None) -> list[int]:
