@@ -10,6 +10,9 @@ Each section is a function returning rows (metric, before, after), measured in t
                index that full
     decisions  router decisions/s at 8k tokens over 8 workers (scripts/bench_router.py's
                decisions_per_second: hash, longest prefix, cost policy), the index swapped
+    shards     index shards (scripts/index_shard_churn.py): the churn steps against one etcd server and
+               two, per-block and coalesced publication; its rows' columns are 1 and 2 etcd clusters
+               (or, where the metric says so, per-block and coalesced), and `fleet capacity (2 shards)`
 
 "before" is the dict-of-dicts index (prefixpool/testing/dict_index.py), "after" the compact one
 (prefixpool/meta/index.py).
@@ -119,7 +122,13 @@ def churn_rows(args) -> list[Row]:
     return rows(args)
 
 
-SECTIONS = {"memory": memory_rows, "decisions": decisions_rows, "churn": churn_rows}
+def shards_rows(args) -> list[Row]:
+    from index_shard_churn import shard_rows  # two etcd servers, a sharded mirror process
+
+    return shard_rows(args)
+
+
+SECTIONS = {"memory": memory_rows, "decisions": decisions_rows, "churn": churn_rows, "shards": shards_rows}
 
 
 def main() -> None:

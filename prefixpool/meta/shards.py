@@ -136,6 +136,14 @@ class ShardedPublisher:
         assert len(shards) > 1, "one shard needs no ShardedPublisher"
         self.shards = list(shards)
 
+    @property
+    def node_id(self) -> str:
+        return self.shards[0].node_id
+
+    @property
+    def config(self) -> PublisherConfig:
+        return self.shards[0].config
+
     async def start(self) -> None:
         for publisher in self.shards:
             await publisher.start()

@@ -1,0 +1,176 @@
+"""bench_index.py's shards section: block churn over 1 vs 2 etcd clusters (index shards), mirror lag p99 < 100 ms.
+
+    nodes (this process)                   etcd servers (own, loopback)      router mirror (another process)
+    4 nodes, each a ShardedPublisher  -->  shard 0, shard 1             -->  one ShardedMirror watching both,
+    (a Publisher and a lease per shard)                                      timestamps each put it applies
+
+The load steps, the lag measure and "sustained" are the churn section's (scripts/index_churn.py):
+`gpus` Llama-3-8B H100s' churn (1,562.5 new 16-token blocks/s each, as many evicted) offered for a
+few seconds; sustained when the generator kept its rate, nothing was dropped or lost, lag p99 <
+100 ms. Here the same steps run against one etcd server and against two, in one run, for
+per-block publication (etcd-bound: what sharding relieves) and for the coalesced run-granular one.
+
+Everything shares this machine's cores: two etcd servers, the nodes' event loop and the mirror
+process compete for them, so 1 -> 2 shards measures what sharding gains here, a floor for
+shards on machines of their own (docs/how-it-works.md, "Index shards").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+from index_churn import BEFORE, BLOCK_TOKENS, GPU_OPS_PER_S, NUM_NODES, Setting, Step, _churn, after
+
+from prefixpool.deploy.etcd_server import EtcdServer
+from prefixpool.meta.etcd_client import EtcdClient
+from prefixpool.meta.layout import Layout
+from prefixpool.meta.membership import MembershipConfig, NodeRecord
+from prefixpool.meta.publisher import PublisherConfig
+from prefixpool.meta.shards import node_index
+
+MIRROR_PROCESS = """
+import asyncio, json, sys, time
+from prefixpool.meta.etcd_client import EtcdClient
+from prefixpool.meta.layout import Layout
+from prefixpool.meta.mirror import MirrorConfig
+from prefixpool.meta.sharded_mirror import index_mirror
+async def main(endpoints, ns, run_blocks):
+    clients = [EtcdClient(e) for e in endpoints.split(";")]
+    mirror = index_mirror(clients, Layout(ns), MirrorConfig(run_blocks=run_blocks))
+    shards, seen = getattr(mirror, "shards", [mirror]), {}
+    for shard in shards:
+        def timed(batch, apply=shard._apply):
+            apply(batch)
+            now = time.monotonic()
+            for event in batch.events:
+                if event.is_put:
+                    seen.setdefault(event.key, now)
+        shard._apply = timed
+    await mirror.start()
+    while not all(s.revision for s in shards):
+        await asyncio.sleep(0.01)
+    print("ready", flush=True)
+    targets = json.loads(await asyncio.to_thread(sys.stdin.readline))
+    try:
+        await mirror.wait_revision(targets if len(shards) > 1 else targets[0], 60)
+    except TimeoutError:
+        pass
+    print(json.dumps({k.decode(): t for k, t in seen.items()}), flush=True)
+    await mirror.stop()
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+class Node:
+    """One node's publication over every shard (prefixpool.meta.shards.node_index)."""
+
+    def __init__(self, endpoints: list[str], ns: str, node_id: str, setting: Setting) -> None:
+        self.clients = [EtcdClient(e, max_txn_ops=setting.max_txn_ops) for e in endpoints]
+        record = NodeRecord(node_id, "http://127.0.0.1:0", "tcp://127.0.0.1:0", BLOCK_TOKENS, 1 << 20, "bench")
+        config = PublisherConfig(max_pending=1 << 22, window_s=setting.window_s, run_blocks=setting.run_blocks)
+        self.membership, self.publisher = node_index(self.clients, Layout(ns), record, list,
+                                                     MembershipConfig(ttl_s=30), config)  # fmt: skip
+
+    async def start(self) -> "Node":
+        await self.publisher.start()
+        await self.membership.start()
+        return self
+
+    async def stop(self) -> None:
+        await self.publisher.stop()
+        await self.membership.stop()
+        for client in self.clients:
+            await client.close()
+
+    async def revisions(self) -> list[int]:
+        """Per shard, the revision of everything this node wrote there (blocks flushed, record, revokes)."""
+        flushed = await self.publisher.flush(60)
+        flushed = [flushed] if isinstance(flushed, int) else list(flushed)
+        memberships = getattr(self.membership, "shards", [self.membership])
+        return [max(f, m.revision) for f, m in zip(flushed, memberships)]
+
+
+async def offer(endpoints: list[str], ns: str, setting: Setting, gpus: int, seconds: float) -> Step:
+    """One load step over len(endpoints) shards, lag seen by a mirror process watching all of them."""
+    mirror = subprocess.Popen([sys.executable, "-c", MIRROR_PROCESS, ";".join(endpoints), ns, str(setting.run_blocks)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert (await asyncio.wait_for(asyncio.to_thread(mirror.stdout.readline), 30)).strip() == "ready"
+        nodes = [await Node(endpoints, ns, f"n{i}", setting).start() for i in range(NUM_NODES)]
+        publishers = [node.publisher for node in nodes]
+        written_before = sum(p.num_written for p in publishers)
+        published, num_stored, num_evicted, elapsed = await _churn(publishers, gpus, seconds, Layout(ns))
+        targets = np.max([await node.revisions() for node in nodes], axis=0).tolist()
+        written = sum(p.num_written for p in publishers) - written_before
+        mirror.stdin.write(json.dumps(targets) + "\n")
+        mirror.stdin.flush()
+        seen = json.loads(await asyncio.wait_for(asyncio.to_thread(mirror.stdout.readline), 90))
+        for node in nodes:
+            await node.stop()
+    finally:
+        mirror.kill()
+        mirror.wait(10)
+    lags = np.array([seen[k] - t for k, t in published.items() if k in seen]) * 1e3
+    p50, p99 = (np.quantile(lags, [0.5, 0.99]) if len(lags) else (float("inf"),) * 2)
+    return Step(gpus, num_stored / elapsed, (num_stored + num_evicted) / elapsed, written / elapsed, float(p50),
+                float(p99), len(published) - len(lags))
+
+
+def ladder(endpoints: list[str], setting: Setting, gpu_steps: list[int], seconds: float) -> Step | None:
+    """Offer each step in turn until one is not sustained; the largest sustained step."""
+    best = None
+    for gpus in gpu_steps:
+        ns = f"shards{len(endpoints)}r{setting.run_blocks}x{gpus}t{time.monotonic_ns()}"
+        step = asyncio.run(offer(endpoints, ns, setting, gpus, seconds))
+        print(f"  shards {len(endpoints)}, {setting.name}: {gpus} GPUs -> {step.offered_ops_s:,.0f} block ops/s, "
+              f"etcd {step.etcd_ops_s:,.0f} ops/s, lag p50 {step.p50_ms:.1f} p99 {step.p99_ms:.1f} ms, "
+              f"{step.missing} missing", file=sys.stderr, flush=True)
+        if not step.sustained:
+            break
+        best = step
+    return best
+
+
+def _churn_cell(step: Step | None) -> str:
+    if step is None:
+        return "< lowest step"
+    return f"{2 * step.stores_s:,.0f} ({step.gpus} GPUs; etcd wrote {step.etcd_ops_s:,.0f} ops/s)"
+
+
+def _gpus(step: Step | None) -> float:
+    return 0.0 if step is None else 2 * step.stores_s / GPU_OPS_PER_S
+
+
+def shard_rows(args) -> list[tuple[str, str, str]]:
+    """Rows (metric, 1 etcd cluster, 2 etcd clusters) for bench_index.py."""
+    runs = after(args.run_blocks)
+    per_block_steps = [4, 8, 12, 16, 20, 24, 32, 40, 48, 64]
+    run_steps = [64, 128, 192, 256, 320, 384, 512, 640, 768]
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(EtcdServer()) for _ in range(2)]
+        endpoints = [server.endpoint for server in servers]
+        per_block = {k: ladder(endpoints[:k], BEFORE, per_block_steps, args.churn_seconds) for k in (1, 2)}
+        coalesced = {k: ladder(endpoints[:k], runs, run_steps, args.churn_seconds) for k in (1, 2)}
+    one, two = _gpus(per_block[1]), _gpus(per_block[2])
+    scaling = two / one if one else float("nan")
+    run_one, run_two = _gpus(coalesced[1]), _gpus(coalesced[2])
+    return [
+        ("index shards, per-block publication: sustainable block churn (stores + evictions/s), "
+         "lag p99 < 100 ms [columns: 1 etcd cluster | 2]", _churn_cell(per_block[1]), _churn_cell(per_block[2])),
+        ("index shards, per-block publication: scaling 1 -> 2 etcd clusters on this 2-core machine",
+         "1.00x", f"{scaling:.2f}x"),
+        (f"index shards, {runs.name}: sustainable block churn [columns: 1 etcd cluster | 2]",
+         _churn_cell(coalesced[1]), _churn_cell(coalesced[2])),
+        ("fleet capacity (2 shards) [columns: per block | coalesced runs]",
+         f"{2 * (per_block[2].stores_s if per_block[2] else 0):,.0f} / 3,125 per GPU = {two:,.0f} GPUs",
+         f"{2 * (coalesced[2].stores_s if coalesced[2] else 0):,.0f} / 3,125 per GPU = {run_two:,.0f} GPUs"),
+        ("fleet capacity on paper, K shards on machines of their own [columns: per block | coalesced runs]",
+         f"K x {one:,.0f} GPUs (K = 4: {4 * one:,.0f})",
+         f"K x {run_one:,.0f} GPUs (K = 4: {4 * run_one:,.0f})"),
+    ]
