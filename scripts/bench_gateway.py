@@ -231,17 +231,21 @@ HEADER = ["| shape | front | done | vLLM hit rate | ideal | TTFT p50 ms | p90 | 
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
 
-def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp: Path) -> list[str]:
+def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp: Path, out: Path | None) -> None:
     config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks)
-    lines = []
     with LocalCluster(num_workers=0, vllm=config, num_vllm=2, log_dir=tmp / f"logs-{shape.name}") as cluster:
         for round_no in range(repeat):
             order = fronts[round_no % len(fronts):] + fronts[:round_no % len(fronts)]
             for front in order:
-                line = row(run_arm(front, shape, cluster, model_dir, tmp))
-                lines.append(line)
-                print(line, flush=True)
-    return lines
+                emit(row(run_arm(front, shape, cluster, model_dir, tmp)), out)
+
+
+def emit(line: str, out: Path | None) -> None:
+    """Print a line of the report and append it to --out (a long run keeps what it measured if cut short)."""
+    print(line, flush=True)
+    if out is not None:
+        with out.open("a") as file:
+            file.write(line + "\n")
 
 
 def parse_args() -> argparse.Namespace:
@@ -266,21 +270,21 @@ def main() -> None:
     if "sglang" in args.fronts:
         ensure_sglang_router()
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache between fronts
-    lines = [*HEADER]
-    print("\n".join(HEADER), flush=True)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.write_text(f"`python scripts/bench_gateway.py {' '.join(sys.argv[1:])}`\n\n")
+    for line in HEADER:
+        emit(line, out)
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         model_dir = Path(tmp) / "model"
         subprocess.run([str(DEFAULT_PYTHON), "-m", "prefixpool.testing.tiny_llama", str(model_dir),
                         "--max-position", "2048"], check=True, capture_output=True)
         for shape in args.shapes:
-            lines += run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp))
-    shapes = [f"- {s.name}: {s.describe()}" for s in args.shapes]
-    report = "\n".join([*lines, "", *shapes, f"- load average at the end: "
-                        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"])
-    print(report)
-    if args.out:
-        command = "python scripts/bench_gateway.py " + " ".join(sys.argv[1:])
-        Path(args.out).write_text(f"`{command}`\n\n{report}\n")
+            run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out)
+    emit("", out)
+    for shape in args.shapes:
+        emit(f"- {shape.name}: {shape.describe()}", out)
+    emit(f"- load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", out)
 
 
 if __name__ == "__main__":
