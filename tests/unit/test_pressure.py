@@ -11,10 +11,15 @@ import random
 import numpy as np
 import pytest
 
+from prefixpool.meta.index import BlockIndex
+from prefixpool.model.tokenizer import ByteTokenizer
 from prefixpool.router.cost_model import CostModel
+from prefixpool.router.openai_schema import CompletionBody
 from prefixpool.router.policy import NodeLoad, RouteRequest, policies
 from prefixpool.router.pressure import Pressure
+from prefixpool.router.service import Router, RouterConfig
 from prefixpool.router.speculative import SpeculativeBlocks
+from prefixpool.router.worker_client import WorkerClient
 from prefixpool.store.keys import Namespace, chain_from
 
 COSTS = CostModel(block_size=32, prefill_tokens_per_s=2000.0, lost_reuse_weight=2.0)
@@ -149,3 +154,68 @@ def test_a_holders_queue_is_bounded_whatever_its_prefix_is_worth(queued_a, expec
 def test_the_tail_bound_is_a_gap_over_the_least_loaded():
     node_loads = loads(queued_a=16_000, queued_b=12_000)  # 8 s and 6 s: within 2 s of each other
     assert choose(pressure(max_queue_gap_s=2.0), request(14, prefix=LONG), node_loads, {"a": 99}) == "a"
+
+
+# -- through the router ---------------------------------------------------------------------------
+
+
+class _Worker:
+    def __init__(self, node_id: str, num_blocks: int) -> None:
+        self.node_id, self.http_url, self.transfer_url = node_id, f"http://{node_id}", ""
+        self.num_queued = self.num_running = 0
+        self.num_blocks, self.kind = num_blocks, "vllm"  # vLLM nodes: no block transfers
+
+
+class _View:
+    """Two vLLM-like nodes of 64 blocks over a real BlockIndex, no other router."""
+
+    def __init__(self) -> None:
+        self.index = BlockIndex()
+        self.nodes = {n: _Worker(n, 64) for n in ("a", "b")}
+
+    def workers(self):
+        return self.nodes
+
+    def longest_prefix(self, keys):
+        return self.index.longest_prefix(keys)
+
+    def lower_tiers(self, node_id, keys):
+        return {}
+
+    def fleet_share(self, worker, exclude):
+        return 0, 0
+
+    def held_blocks(self, node_id):
+        return self.index.num_blocks(node_id)
+
+    def report_revision(self, node_id):
+        return 0
+
+    def num_keys(self):
+        return len(self.index)
+
+    def lag_s(self):
+        return 0.0
+
+
+def _router(view: _View) -> Router:
+    config = RouterConfig(model="tiny", namespace=Namespace("tiny", block_size=4), max_context=4096, vocab_size=259,
+                          policy="pressure")
+    return Router(config, ByteTokenizer(), view, WorkerClient(), CostModel(block_size=4, prefill_tokens_per_s=2000.0))
+
+
+def test_the_router_records_what_it_routes_and_prices_a_full_node():
+    view = _View()
+    router = _router(view)
+    prompt = "a shared system prompt of a few blocks. "
+    first = router.prepare(CompletionBody(model="tiny", prompt=prompt + "one"))
+    explained = router.explain(first)
+    assert router._choose.speculative.num_pending(explained["worker"]) == 0, "/v1/route routes nothing"
+    plan, matches = router.decide(first)
+    router.inflight.begin(plan.worker, plan.prefill_tokens)  # still prefilling: the index knows nothing yet
+    second = router.prepare(CompletionBody(model="tiny", prompt=prompt + "two"))
+    assert router.decide(second)[0].worker == plan.worker, "the speculative entries keep the burst together"
+    other = "b" if plan.worker == "a" else "a"
+    view.index.add(other, router.prepare(CompletionBody(model="tiny", prompt="x" * 256)).keys)  # full: 64 blocks
+    priced = {c["worker"]: c["evict_s"] for c in router.explain(second)["candidates"]}
+    assert priced[other] > 0 and priced[plan.worker] == 0
