@@ -16,7 +16,8 @@ class RouterSettings(CommonSettings):
                                   "etcd load entry (default: host; with host 0.0.0.0 the address routing to etcd; "
                                   "never loopback into a remote etcd)")
     port: int = setting(8000, "port to bind (0 picks a free one)")
-    policy: str = setting("cost", "routing policy: cost, cost_local, least_load, longest_prefix, round_robin, random")
+    policy: str = setting("cost", "routing policy: cost, cost_local, pressure, least_load, longest_prefix, "
+                                  "round_robin, random")
     api_key: str = setting("", "if set, clients must send 'Authorization: Bearer <key>'")
     worker_token: str = setting("", "shared token sent to workers' internal API")
     max_retries: int = setting(2, "retries on another worker when one fails before streaming")
