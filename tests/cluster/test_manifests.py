@@ -18,7 +18,8 @@ from prefixpool.deploy.worker_settings import WorkerSettings
 from prefixpool.vllm_connector.config import config_from
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
-OVERLAYS = ["base", "overlays/cpu", "overlays/kuberay", "overlays/vllm", "overlays/vllm-connector", "overlays/pd"]
+OVERLAYS = ["base", "overlays/cpu", "overlays/kuberay", "overlays/vllm", "overlays/vllm-connector", "overlays/pd",
+            "overlays/index-shards"]
 SETTINGS_OF = {"worker": WorkerSettings, "router": RouterSettings, "ray": RouterSettings, "vllm-node": VllmNodeSettings}
 # Variables the image itself or Kubernetes' downward API needs, not prefixpool settings.
 NOT_SETTINGS = {"POD_NAME", "POD_IP"}
@@ -117,7 +118,7 @@ def test_the_common_config_map_is_exactly_the_shared_settings():
 
 
 LOOPBACK = ("127.", "localhost", "::1", "[::1]")
-ADDRESS_VARS = ("PREFIXPOOL_HOST", "PREFIXPOOL_ADVERTISE_HOST", "PREFIXPOOL_ETCD_ENDPOINTS")
+ADDRESS_VARS = ("PREFIXPOOL_HOST", "PREFIXPOOL_ADVERTISE_HOST", "PREFIXPOOL_ETCD_ENDPOINTS", "PREFIXPOOL_ETCD_SHARDS")
 ADDRESS_FLAGS = ("--router-host", "--etcd-endpoints", "--host", "--advertise-host")
 
 
@@ -137,7 +138,8 @@ def test_every_worker_and_router_advertises_its_pod_ip_and_no_address_is_loopbac
         given = [values.get(v, "") for v in ADDRESS_VARS]
         given += [args[i + 1] for i, a in enumerate(args[:-1]) if a in ADDRESS_FLAGS]
         for value in given:
-            assert not any(part.strip().startswith(LOOPBACK) for part in value.split(",")), (container["name"], value)
+            parts = value.replace(";", ",").split(",")  # ';' between index shards
+            assert not any(part.strip().startswith(LOOPBACK) for part in parts), (container["name"], value)
         if not args or args[0] in ("worker", "router"):  # a Ray node runs worker actors (the head the router)
             runs_workers += args[:1] != ["router"]
             advertise = env["PREFIXPOOL_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"]
@@ -201,3 +203,25 @@ def test_the_pd_overlay_runs_prefill_and_decode_workers_that_differ_only_in_role
     assert docs[("Service", "worker-prefill")]["spec"]["selector"]["app.kubernetes.io/name"] == labels["worker-prefill"]
     assert docs[("StatefulSet", "worker-prefill")]["metadata"]["namespace"] == docs[("StatefulSet", "worker")][
         "metadata"]["namespace"]
+
+
+def test_the_index_shards_overlay_names_every_member_of_each_etcd_cluster_once():
+    """Shard 0 is the base's etcd and --etcd-endpoints; shard 1 is etcd-shard-1; each shard lists its own
+    StatefulSet's pods (name-i.service:2379), and the settings accept the value as every process reads it."""
+    from prefixpool.deploy.router_settings import RouterSettings
+    from prefixpool.meta.shards import parse_shards
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render("overlays/index-shards")}
+    common = docs[("ConfigMap", "prefixpool-common")]["data"]
+    shards = parse_shards(common["PREFIXPOOL_ETCD_SHARDS"])
+    assert len(shards) == 2 and shards[0] == common["PREFIXPOOL_ETCD_ENDPOINTS"]
+    for shard, name in zip(shards, ("etcd", "etcd-shard-1")):
+        etcd = docs[("StatefulSet", name)]
+        assert docs[("Service", name)]["spec"]["clusterIP"] == "None" and etcd["spec"]["serviceName"] == name
+        pods = [f"{name}-{i}.{name}:2379" for i in range(etcd["spec"]["replicas"])]
+        assert shard.split(",") == pods and len(pods) == 3
+        command = etcd["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert f"--initial-cluster-token=prefixpool-{name}" in command
+    settings = RouterSettings(etcd_endpoints=common["PREFIXPOOL_ETCD_ENDPOINTS"],
+                              etcd_shards=common["PREFIXPOOL_ETCD_SHARDS"])
+    assert settings.shard_endpoints == shards
