@@ -50,7 +50,10 @@ def fleet(model_dir, adapter_dir, tmp_path_factory):
                         max_lora_rank=8)
     cluster = LocalCluster(num_workers=0, vllm=config, num_vllm=2, lora_nodes=1,
                            log_dir=tmp_path_factory.mktemp("lora-fleet-logs"))
-    with cluster:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # read by vLLM at start: the last test loads one
+        cluster.start()  # stops what it started if it fails
+    try:
         rr = spawn("router-rr", python_argv("router", "--port", "0", *cluster._common(), *cluster._model(),
                                             "--policy", "round_robin"), cluster.log_dir)
         cluster.extra_routers = {"rr": rr}
@@ -60,6 +63,8 @@ def fleet(model_dir, adapter_dir, tmp_path_factory):
             yield cluster
         finally:
             rr.stop()
+    finally:
+        cluster.stop()
 
 
 def client_for(url: str) -> openai.OpenAI:
@@ -173,3 +178,39 @@ def test_an_unknown_adapter_is_a_404_naming_the_models_and_adapters_that_exist(f
     assert repr(MODEL) in body["error"]["message"] and repr([ADAPTER]) in body["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         complete(fleet.router_url, "hi", model="nope")
+
+
+def served_models(router_url: str) -> list[str]:
+    with urllib.request.urlopen(f"{router_url}/v1/models") as reply:
+        return [m["id"] for m in json.load(reply)["data"]]
+
+
+def wait_for_models(router_url: str, expected: list[str], timeout_s: float = 60.0) -> None:
+    """Until the sidecar's next look at vLLM's /v1/models (every 5 s) reached the router through etcd."""
+    deadline = time.monotonic() + timeout_s
+    while served_models(router_url) != expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert served_models(router_url) == expected
+
+
+def lora_admin(vllm_url: str, action: str, body: dict) -> None:
+    request = urllib.request.Request(f"{vllm_url}/v1/{action}_lora_adapter", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        assert reply.status == 200
+
+
+def test_an_adapter_loaded_at_runtime_is_advertised_and_routed_and_gone_once_unloaded(fleet, adapter_dir):
+    """vLLM's /v1/load_lora_adapter on vllm-0 (the env VLLM_ALLOW_RUNTIME_LORA_UPDATING allows it)."""
+    server = fleet.vllm_servers["vllm-0"].url
+    lora_admin(server, "load", {"lora_name": "extra", "lora_path": str(adapter_dir)})
+    wait_for_models(fleet.router_url, [MODEL, "extra", ADAPTER])
+    for i in range(3):
+        prompt = f"Runtime adapter question {i}."
+        assert route(fleet.extra_routers["rr"].url, prompt, model="extra")["worker"] == "vllm-0"
+        assert text_of(complete(fleet.extra_routers["rr"].url, prompt, model="extra")) == text_of(
+            complete(server, prompt, model="extra"))
+    lora_admin(server, "unload", {"lora_name": "extra"})
+    wait_for_models(fleet.router_url, [MODEL, ADAPTER])
+    with pytest.raises(openai.NotFoundError):
+        complete(fleet.router_url, "hi", model="extra")
