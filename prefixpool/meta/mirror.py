@@ -150,14 +150,41 @@ class Mirror:
                  len(self.index))  # fmt: skip
 
     def _apply(self, batch: WatchBatch) -> None:
+        """Events in order; consecutive block events of one node and one kind (add in a tier, remove) go to
+        the index in one call: the same result as one by one, at the index's batch speed (a publisher's txn
+        arrives as one watch batch of such runs)."""
+        group: tuple[str, str | None] | None = None  # (node, tier to add in | None to remove)
+        keys: list[BlockKey] = []
         for event in batch.events:
-            if event.is_put:
-                self._put(event.key, event.value, event.revision)
-            else:
-                self._delete(event.key)
+            entry = self.layout.parse_block(event.key)
+            tier = self._tier(event.value) if event.is_put and entry is not None else None
+            if entry is None or (event.is_put and tier is None):  # not a block, or malformed: one by one
+                self._flush(group, keys)
+                group, keys = None, []
+                if event.is_put:
+                    self._put(event.key, event.value, event.revision)
+                else:
+                    self._delete(event.key)
+                continue
+            kind = (entry.node_id, tier)
+            if kind != group:
+                self._flush(group, keys)
+                group, keys = kind, []
+            keys.append(entry.key)
+        self._flush(group, keys)
         self.num_events += len(batch.events)
         self.revision = max(self.revision, batch.revision)
         self.applied_at = time.monotonic()
+
+    def _flush(self, group: tuple[str, str | None] | None, keys: list[BlockKey]) -> None:
+        if group is None or not keys:
+            return
+        node_id, tier = group
+        keys = list(dict.fromkeys(keys))  # a key twice in one run: the same op twice
+        if tier is not None:
+            self.index.add(node_id, keys, tier)
+        else:
+            self.index.remove(node_id, keys)
 
     def _put(self, key: bytes, value: bytes, revision: int) -> None:
         """A malformed value replacing a good one removes the good one: the mirror never holds more than etcd."""
