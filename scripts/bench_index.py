@@ -14,6 +14,11 @@ Each section is a function returning rows (metric, before, after), measured in t
                two, per-block and coalesced publication; its rows' columns are 1 and 2 etcd clusters
                (or, where the metric says so, per-block and coalesced), and `fleet capacity (2 shards)`
 
+    churn      block churn (stores + evictions/s) one etcd cluster absorbs with the router mirror's lag
+               p99 < 100 ms, and `fleet capacity`: that churn over one Llama-3-8B H100's 3,125 block ops/s;
+               before = per-block publication in txns of 128, after = coalesced, runs of --run-blocks,
+               txns of 1024 (scripts/index_churn.py: its own etcd, a mirror in another process)
+
 "before" is the dict-of-dicts index (prefixpool/testing/dict_index.py), "after" the compact one
 (prefixpool/meta/index.py).
 """

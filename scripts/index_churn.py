@@ -161,6 +161,7 @@ async def _churn(publishers: list[Publisher], gpus: int, seconds: float,
     rng = np.random.default_rng(gpus)
     ticks, lifetime = int(seconds / TICK_S), int(LIFETIME_S / TICK_S)
     per_tick = max(1, _stored(gpus, seconds) // ticks // len(publishers))
+    made = [random_keys(per_tick * ticks, rng) for _ in publishers]  # before the clock starts: not the node's cost
     history: list[list[list[bytes]]] = []
     published: dict[str, float] = {}
     num_stored = num_evicted = 0
@@ -168,7 +169,7 @@ async def _churn(publishers: list[Publisher], gpus: int, seconds: float,
     started = time.monotonic()
     for tick in range(ticks):
         await asyncio.sleep(max(0.0, started + tick * TICK_S - time.monotonic()))
-        batch = [random_keys(per_tick, rng) for _ in publishers]
+        batch = [keys[tick * per_tick : (tick + 1) * per_tick] for keys in made]
         now = time.monotonic()
         for publisher, keys, old in zip(publishers, batch, history[-lifetime] if len(history) >= lifetime else
                                         [[]] * len(publishers)):  # fmt: skip
