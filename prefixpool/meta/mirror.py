@@ -140,8 +140,15 @@ class Mirror:
 
     def _load(self, snapshot: Snapshot) -> None:
         self.index, self.nodes, self.node_revisions, self.fleet = BlockIndex(), {}, {}, FleetLoad()
+        blocks: dict[tuple[str, str], list[BlockKey]] = {}  # a snapshot holds each (key, node) once: any order
         for kv in snapshot.kvs:
-            self._put(kv.key, kv.value, kv.mod_revision)
+            entry = self.layout.parse_block(kv.key)
+            if entry is not None and (tier := self._tier(kv.value)) is not None:
+                blocks.setdefault((entry.node_id, tier), []).append(entry.key)
+            else:
+                self._put(kv.key, kv.value, kv.mod_revision)
+        for (node_id, tier), keys in blocks.items():  # one index call per node and tier
+            self.index.add(node_id, keys, tier)
         self.revision = snapshot.revision
         self.connected = True
         self.num_resyncs += 1
