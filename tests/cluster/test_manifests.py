@@ -19,7 +19,7 @@ from prefixpool.vllm_connector.config import config_from
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 OVERLAYS = ["base", "overlays/cpu", "overlays/kuberay", "overlays/vllm", "overlays/vllm-connector", "overlays/pd",
-            "overlays/index-shards"]
+            "overlays/index-shards", "overlays/vllm-pd"]
 SETTINGS_OF = {"worker": WorkerSettings, "router": RouterSettings, "ray": RouterSettings, "vllm-node": VllmNodeSettings}
 # Variables the image itself or Kubernetes' downward API needs, not prefixpool settings.
 NOT_SETTINGS = {"POD_NAME", "POD_IP"}
@@ -225,3 +225,28 @@ def test_the_index_shards_overlay_names_every_member_of_each_etcd_cluster_once()
     settings = RouterSettings(etcd_endpoints=common["PREFIXPOOL_ETCD_ENDPOINTS"],
                               etcd_shards=common["PREFIXPOOL_ETCD_SHARDS"])
     assert settings.shard_endpoints == shards
+
+
+def test_the_vllm_pd_overlay_pairs_producer_and_consumer_servers_with_sidecars_of_those_roles():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render("overlays/vllm-pd")}
+    pods = {name: docs[("StatefulSet", name)]["spec"]["template"]["spec"] for name in ("vllm", "vllm-prefill")}
+    vllm = {name: next(c for c in pod["containers"] if c["name"] == "vllm") for name, pod in pods.items()}
+    sidecar = {name: next(c for c in pod["containers"] if c["name"] == "sidecar") for name, pod in pods.items()}
+
+    def kv_config(container) -> dict:
+        return json.loads(next(a for a in container["args"] if a.startswith("--kv-transfer-config=")).split("=", 1)[1])
+
+    assert {n: kv_config(c)["kv_role"] for n, c in vllm.items()} == {"vllm": "kv_consumer",
+                                                                     "vllm-prefill": "kv_producer"}
+    assert "role" in {f.name for f in dataclasses.fields(VllmNodeSettings)}
+    roles = {n: {e["name"]: e.get("value") for e in c["env"]}["PREFIXPOOL_ROLE"] for n, c in sidecar.items()}
+    assert roles == {"vllm": "decode", "vllm-prefill": "prefill"}
+    extra = {n: config_from(kv_config(c)["kv_connector_extra_config"]) for n, c in vllm.items()}
+    assert extra["vllm"] == extra["vllm-prefill"]  # node_id "$(POD_NAME)" on both: "<pod>.pool" per pod
+    # the same server otherwise: model, block size, events, image, ports, probes, resources
+    without_kv = {n: [a for a in c["args"] if not a.startswith("--kv-transfer-config=")] for n, c in vllm.items()}
+    assert without_kv["vllm"] == without_kv["vllm-prefill"]
+    for key in ("image", "env", "ports", "volumeMounts", "readinessProbe", "resources"):
+        assert vllm["vllm"][key] == vllm["vllm-prefill"][key], key
+    others = {n: [e for e in c["env"] if e["name"] != "PREFIXPOOL_ROLE"] for n, c in sidecar.items()}
+    assert others["vllm"] == others["vllm-prefill"] and sidecar["vllm"]["args"] == sidecar["vllm-prefill"]["args"]
