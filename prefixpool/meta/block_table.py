@@ -75,6 +75,9 @@ class BlockTable:
     def find(self, fps: np.ndarray) -> np.ndarray:
         """int64 slot per fingerprint, ABSENT where the table lacks it. Vectorised rounds, one bucket per
         key each, while many keys are left; the few whose buckets ran full walk on in Python."""
+        if fps.size <= FEW:
+            return np.array([self._walk(fp, home) for fp, home in zip(fps.tolist(), self._home(fps).tolist())],
+                            np.int64)
         slots = np.full(fps.size, ABSENT, np.int64)
         lanes, buckets = np.arange(fps.size), self._home(fps)
         while lanes.size > FEW:

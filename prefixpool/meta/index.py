@@ -64,7 +64,7 @@ class BlockIndex:
 
     def add(self, node_id: str, keys: Iterable[BlockKey], tier: str = DEVICE) -> None:
         """`node_id` holds `keys` in `tier` now (a key it held in another tier moves)."""
-        fps = np.unique(fingerprints(list(keys)))
+        fps = _distinct(fingerprints(list(keys)))
         if not fps.size:
             return
         table, mask = self._slot(node_id)
@@ -80,7 +80,7 @@ class BlockIndex:
         if node_id not in self.slot_of:
             return
         table, mask = self._slot(node_id)
-        slots = table.find(np.unique(fingerprints(list(keys))))
+        slots = table.find(_distinct(fingerprints(list(keys))))
         slots = slots[slots != ABSENT]
         counts = self.counts[node_id]
         for tier in [t for t, num in counts.items() if num]:
@@ -172,6 +172,10 @@ class BlockIndex:
             num = int(np.count_nonzero(column & mask))
             assert self.counts[node_id].get(tier, 0) == num, (node_id, tier, self.counts[node_id], num)
         assert self.num_blocks(node_id) > 0, f"{node_id} holds nothing but keeps its bit"
+
+
+def _distinct(fps: np.ndarray) -> np.ndarray:
+    return np.unique(fps) if fps.size > 1 else fps  # np.unique costs more than the rest of a one-key add
 
 
 def _clear(column: np.ndarray, slots: np.ndarray, mask: np.uint64) -> int:
