@@ -47,13 +47,16 @@ def random_keys(count: int, seed: int) -> list[BlockKey]:
     return [BlockKey(raw[i : i + 16]) for i in range(0, len(raw), 16)]
 
 
-def build(index_type: Callable, num_blocks: int, holders: int, batch: int = 64):
-    """An index of `num_blocks` random keys, each held by `holders` of 8 workers; (index, bytes it holds, seconds)."""
+def build(index_type: Callable, num_blocks: int, holders: int, traced: bool, batch: int = 64):
+    """An index of `num_blocks` random keys, each held by `holders` of 8 workers, added `batch` keys a call;
+    (index, bytes it holds by tracemalloc if `traced` else 0, seconds in add). Keys are made in chunks, so
+    only what the index keeps of them is counted."""
     gc.collect()
-    tracemalloc.start()
-    start_bytes = tracemalloc.get_traced_memory()[0]
+    if traced:
+        tracemalloc.start()
+    start_bytes = tracemalloc.get_traced_memory()[0] if traced else 0
     index, seconds = index_type(), 0.0
-    for first in range(0, num_blocks, 1 << 16):  # keys made in chunks: only the index keeps them
+    for first in range(0, num_blocks, 1 << 16):
         keys = random_keys(min(1 << 16, num_blocks - first), first)
         start = time.perf_counter()
         for i in range(0, len(keys), batch):
@@ -62,7 +65,7 @@ def build(index_type: Callable, num_blocks: int, holders: int, batch: int = 64):
         seconds += time.perf_counter() - start
         del keys
     gc.collect()
-    held = tracemalloc.get_traced_memory()[0] - start_bytes
+    held = tracemalloc.get_traced_memory()[0] - start_bytes if traced else 0
     tracemalloc.stop()
     return index, held, seconds
 
@@ -72,35 +75,38 @@ def prompt_chains(num_tokens: int, count: int = 16) -> list[list[BlockKey]]:
     return [chain(rng.integers(32, 127, num_tokens).tolist(), Namespace("tiny", block_size=16)) for _ in range(count)]
 
 
-def time_longest_prefix(index, chains: list[list[BlockKey]], seconds: float = 1.0) -> float:
-    """Microseconds per longest_prefix over `chains` in turn, each cached on two workers at different depths."""
+def time_longest_prefix(index, chains: list[list[BlockKey]], seconds: float = 2.0) -> tuple[float, float]:
+    """(wall, thread CPU) microseconds per longest_prefix over `chains` in turn, each cached on two workers at
+    different depths (as scripts/bench_router.py's decisions)."""
     for i, keys in enumerate(chains):
         index.add(WORKERS[i % 8], keys[: len(keys) * (1 + i % 3) // 3])
         index.add(WORKERS[(i + 3) % 8], keys[: len(keys) // 2])
-    count, start = 0, time.perf_counter()
+    count, start, cpu_start = 0, time.perf_counter(), time.thread_time()
     while time.perf_counter() - start < seconds:
         index.longest_prefix(chains[count % len(chains)])
         count += 1
-    return (time.perf_counter() - start) / count * 1e6
+    return (time.perf_counter() - start) / count * 1e6, (time.thread_time() - cpu_start) / count * 1e6
 
 
 def memory_rows(args) -> list[Row]:
+    """Bytes per (block, holder) at 1 and 2 holders; build rate and longest_prefix at 1 holder (untraced)."""
     cells: dict[str, dict[str, str]] = {}
     chains = prompt_chains(8000)
     for name, index_type in INDEXES.items():
         for holders in (1, 2):
-            index, held, seconds = build(index_type, args.blocks, holders)
+            _, held, _ = build(index_type, args.blocks, holders, traced=True)
             pairs = args.blocks * holders
             cells.setdefault(f"router memory per indexed block, {holders} holder(s) per block "
                              f"({args.blocks:,} blocks)", {})[name] = f"{held / pairs:.1f} B ({held / 2**20:,.0f} MiB)"
-            cells.setdefault(f"index build rate, 64 keys per add, {holders} holder(s)", {})[name] = (
-                f"{pairs / seconds:,.0f} (block, holder)/s")
-            if holders == 1:
-                cells.setdefault(f"longest_prefix at 8k tokens, 8 workers, {args.blocks:,} blocks indexed", {})[
-                    name] = f"{time_longest_prefix(index, chains):.1f} us"
-            del index
             gc.collect()
-    cells["index build rate, 1 key per add (a watch event)"] = {
+        index, _, seconds = build(index_type, args.blocks, 1, traced=False)
+        cells.setdefault("index build rate, 64 keys per add", {})[name] = f"{args.blocks / seconds:,.0f} blocks/s"
+        wall, cpu = time_longest_prefix(index, chains)
+        cells.setdefault(f"longest_prefix at 8k tokens, 8 workers, {args.blocks:,} blocks indexed "
+                         "(thread CPU)", {})[name] = f"{wall:.1f} us ({cpu:.1f} us)"
+        del index
+        gc.collect()
+    cells["index build rate, 1 key per add"] = {
         name: f"{single_add_rate(index_type):,.0f} blocks/s" for name, index_type in INDEXES.items()}
     return [(metric, values["before"], values["after"]) for metric, values in cells.items()]
 
@@ -142,6 +148,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=5_000_000, help="blocks indexed for the memory rows")
     parser.add_argument("--run-blocks", type=int, default=32, help="churn: the 'after' publication's run length N")
     parser.add_argument("--churn-seconds", type=float, default=3.0, help="churn: seconds per load step")
+    parser.add_argument("--churn-rounds", type=int, default=2, help="churn: before/after ladders, interleaved")
     args = parser.parse_args()
     rows = [row for section in args.sections.split(",") for row in SECTIONS[section](args)]
     print("\n| metric | before (dict index) | after (compact) |")

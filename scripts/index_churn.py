@@ -140,6 +140,7 @@ async def offer(endpoint: str, ns: str, setting: Setting, gpus: int, seconds: fl
         mirror.stdin.write(f"{revision}\n")
         mirror.stdin.flush()
         seen = json.loads(await asyncio.wait_for(asyncio.to_thread(mirror.stdout.readline), 90))
+        await publishers[0].client.compact(revision)  # keep etcd's history from growing over the steps
         for publisher in publishers:
             await stop_node(publisher)
     finally:
@@ -186,7 +187,8 @@ def ladder(endpoint: str, setting: Setting, gpu_steps: list[int], seconds: float
     """Offer each step in turn until one is not sustained; (the largest sustained step, every step run)."""
     best, steps = None, []
     for gpus in gpu_steps:
-        step = asyncio.run(offer(endpoint, f"churn{setting.run_blocks}x{gpus}", setting, gpus, seconds))
+        step = asyncio.run(offer(endpoint, f"churn{setting.run_blocks}x{gpus}x{time.monotonic_ns()}", setting, gpus,
+                                 seconds))  # fmt: skip
         steps.append(step)
         print(f"  churn {setting.name}: {gpus} GPUs -> {step.stores_s:,.0f} stores/s, "
               f"{step.offered_ops_s:,.0f} block ops/s, etcd "
@@ -201,10 +203,15 @@ def ladder(endpoint: str, setting: Setting, gpu_steps: list[int], seconds: float
 def churn_rows(args) -> list[tuple[str, str, str]]:
     """Rows (metric, before, after) for bench_index.py."""
     runs = after(args.run_blocks)
+    best: dict[str, Step | None] = {"before": None, "after": None}
     with EtcdServer() as server:  # started with --max-txn-ops 1024; "before" keeps its own client at 128
-        before, _ = ladder(server.endpoint, BEFORE, [4, 8, 12, 16, 24, 32, 48, 64], args.churn_seconds)
-        now, _ = ladder(server.endpoint, runs, [64, 128, 192, 256, 320, 384, 512, 768], args.churn_seconds)
-    cells = {name: _cells(step) for name, step in (("before", before), ("after", now))}
+        for _ in range(args.churn_rounds):  # interleaved: the machine's other load hits both alike
+            for name, setting, steps in (("before", BEFORE, [4, 8, 12, 16, 24, 32, 48, 64]),
+                                         ("after", runs, [64, 128, 192, 256, 320, 384, 512, 768])):
+                step, _ = ladder(server.endpoint, setting, steps, args.churn_seconds)
+                if step is not None and (best[name] is None or step.stores_s > best[name].stores_s):
+                    best[name] = step  # noise only ever lowers what a step sustains: keep each setting's best
+    cells = {name: _cells(step) for name, step in best.items()}
     return [
         ("publication", BEFORE.name, runs.name),
         ("etcd ops per GPU per second (stores + evictions of 16-token blocks at 25k prefill tokens/s)",

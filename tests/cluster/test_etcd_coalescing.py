@@ -163,3 +163,33 @@ def test_large_txns_fall_back_on_an_etcd_at_its_default_limit(ns):
         assert asyncio.run(apply(ours)) == LARGE_TXN_OPS
         for server in (default, ours):
             assert len(etcdctl_get_prefix(server, f"/{ns}/")[1]) == 300
+
+
+def test_router_mirror_matches_runs_published_through_etcd(etcd, ns):
+    """Node publishes runs of 8 into etcd; a mirror set to 8 matches through the last held boundary."""
+    from prefixpool.meta.etcd_client import EtcdClient
+    from prefixpool.meta.mirror import Mirror, MirrorConfig
+
+    keys = chain_ids(range(120), Namespace("mirror-runs"))
+    ends = runs.boundaries(keys, 8)
+
+    async def scenario():
+        node = await node_with(etcd.endpoint, ns, "n0", PublisherConfig(run_blocks=8)).start()
+        mirror = Mirror(EtcdClient(etcd.endpoint, timeout_s=2.0), Layout(ns), MirrorConfig(run_blocks=8))
+        await mirror.start()
+        try:
+            node.store(keys[:100])
+            await mirror.wait_revision(await node.publisher.flush())
+            last = max(i for i in ends if i < 100)
+            assert mirror.longest_prefix(keys) == {"n0": last + 1}
+            assert mirror.num_keys() == sum(1 for i in ends if i < 100)  # one index entry per run
+            node.evict(keys[ends[2]:])
+            await mirror.wait_revision(await node.publisher.flush())
+            assert mirror.longest_prefix(keys) == {"n0": ends[1] + 1}
+            assert mirror.longest_prefix(keys[: ends[0]]) == {}  # shorter than a run: no cross-node match
+        finally:
+            await mirror.stop()
+            await mirror.client.close()
+            await node.stop()
+
+    asyncio.run(scenario())
