@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", default="250,500,1000,2000,4000,8000,0",
                         help="sim: capacities for the sweep ('' to skip)")
     parser.add_argument("--slo", type=float, default=30.0, help="TTFT SLO in seconds")
+    parser.add_argument("--no-fetch", action="store_true",
+                        help="sim: nodes fetch no blocks from peers (vLLM servers without a KV connector)")
     parser.add_argument("--sub-blocks", type=int, default=1,
                         help="sim: split each 512-token trace block into this many (32: 16-token blocks)")
     parser.add_argument("--run-blocks", default="1",
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace, capacity: int, run_blocks: int) -> SimConfig:
     return SimConfig(num_nodes=args.nodes, capacity_blocks=capacity or None, slo_s=args.slo,
                      costs=profile(args.profile, TRACE_BLOCK_TOKENS // args.sub_blocks),
-                     sub_blocks=args.sub_blocks, run_blocks=run_blocks)
+                     sub_blocks=args.sub_blocks, run_blocks=run_blocks, fetch=not args.no_fetch)
 
 
 def run_sim_runs(records, args: argparse.Namespace) -> str:

@@ -45,6 +45,7 @@ class SimConfig:
     seed: int = 0
     host_blocks: int = 0  # per node, under the device pool; 0 = no host tier
     disk_blocks: int = 0  # per node, local SSD; 0 = no SSD tier
+    fetch: bool = True  # nodes send and receive blocks; False: each reuses only its own cache (vLLM servers)
     sub_blocks: int = 1  # split each trace block into this many (32: 16-token blocks); capacity counts trace blocks
     run_blocks: int = 1  # the index learns run-boundary keys only (prefixpool.meta.runs); nodes reuse block by block
 
@@ -139,7 +140,7 @@ class _Run:
                              free_blocks=node.blocks.num_blocks - node.blocks.pool.num_cached)
                  for n, node in self.nodes.items()}
         lower = _lower_tiers(self.nodes, keys, matches) if self.config.host_blocks or self.config.disk_blocks else {}
-        request = RouteRequest(record.input_length, len(keys), lower, keys=keys)
+        request = RouteRequest(record.input_length, len(keys), lower, None if self.config.fetch else frozenset(), keys)
         plan = self.choose(request, matches, loads, costs, self.rng)
         node = self.nodes[plan.worker]
         read_s = sum(costs.tier_read_s(tier, n) for tier, n in lower.get(plan.worker, {}).items())
