@@ -13,8 +13,8 @@ dataset prefix_repetition or random) sends the shape's prompts at its Poisson ra
 vLLM's own: the rise of vllm:prefix_cache_hits_total over vllm:prefix_cache_queries_total, summed over
 both servers; TTFT and ITL percentiles are the client's; the ideal is one never-evicting cache fed the
 same prompts. sglang-router is installed into .venv-vllm on first use (pip, sglang-router==0.3.2).
-A fleet is reused across its shape's fronts (a reset empties it; vLLM starts take most of a run);
-the fronts run interleaved, so a slow spell of the shared machine falls on all of them.
+A fleet is reused across its shape's fronts (a reset empties it; vLLM starts take most of a run) and
+warmed up first; the fronts run interleaved, so a slow spell of the shared machine falls on all of them.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,9 +232,21 @@ HEADER = ["| shape | front | done | vLLM hit rate | ideal | TTFT p50 ms | p90 | 
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
 
+def warm_up(cluster: LocalCluster, shape: Shape) -> None:
+    """A few prompts of the shape's lengths on each server, some at once: a fresh vLLM's first requests are
+    slow (first batch shapes), and without this the first front of a fleet would pay for them."""
+    length = shape.prefix_len + shape.suffix_len
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate((64, length // 2, length, length) * 2)]
+    for server in cluster.vllm_servers.values():
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda p: post(f"{server.url}/v1/completions",
+                                         {"model": MODEL, "prompt": p, "max_tokens": shape.output_len}), prompts))
+
+
 def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp: Path, out: Path | None) -> None:
     config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks)
     with LocalCluster(num_workers=0, vllm=config, num_vllm=2, log_dir=tmp / f"logs-{shape.name}") as cluster:
+        warm_up(cluster, shape)
         for round_no in range(repeat):
             order = fronts[round_no % len(fronts):] + fronts[:round_no % len(fronts)]
             for front in order:
