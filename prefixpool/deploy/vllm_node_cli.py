@@ -45,7 +45,7 @@ def namespace_of(settings: VllmNodeSettings) -> Namespace:
     return Namespace(model=settings.model, dtype=settings.dtype, block_size=settings.block_size)
 
 
-def build_node(settings: VllmNodeSettings, etcd: EtcdClient) -> VllmNode:
+def build_node(settings: VllmNodeSettings, etcd: EtcdClient | list[EtcdClient]) -> VllmNode:
     if settings.role not in ROLES:
         raise SystemExit(f"--role {settings.role!r}: choose from {', '.join(ROLES)}")
     namespace = namespace_of(settings)
@@ -59,8 +59,8 @@ def build_node(settings: VllmNodeSettings, etcd: EtcdClient) -> VllmNode:
 
 
 async def serve(settings: VllmNodeSettings) -> None:
-    etcd = EtcdClient(settings.etcd_endpoints)
-    node = build_node(settings, etcd)
+    clients = [EtcdClient(endpoints) for endpoints in settings.shard_endpoints]  # index shards, shard 0 first
+    node = build_node(settings, clients)
     task = asyncio.create_task(node.run())
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -74,6 +74,7 @@ async def serve(settings: VllmNodeSettings) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     node.stream.close()
-    await etcd.close()
+    for client in clients:
+        await client.close()
     if error is not None:
         raise SystemExit(f"vllm-node stopped: {error}")

@@ -83,6 +83,12 @@ class ShardedMembership:
     def record(self) -> NodeRecord:
         return self.home.record
 
+    @record.setter
+    def record(self, record: NodeRecord) -> None:
+        """What every shard registers next (the vLLM sidecar sets it before each registration)."""
+        for membership in self.shards:
+            membership.record = record
+
     @property
     def lease_id(self) -> int | None:
         return self.home.lease_id

@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 import aiohttp
 import msgspec
@@ -27,8 +28,8 @@ import msgspec
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.meta.load_report import report_load
-from prefixpool.meta.membership import Membership, MembershipConfig, NodeRecord
-from prefixpool.meta.publisher import Publisher
+from prefixpool.meta.membership import MembershipConfig, NodeRecord
+from prefixpool.meta.shards import node_index
 from prefixpool.vllm_sidecar.event_stream import EventStream, Reset
 from prefixpool.vllm_sidecar.ledger import Change, Ledger
 from prefixpool.vllm_sidecar.metrics import sample_load
@@ -55,13 +56,15 @@ class ModelMismatch(ValueError):
 
 
 class VllmNode:
-    def __init__(self, client: EtcdClient, layout: Layout, record: NodeRecord, namespace: Namespace,
-                 stream: EventStream, membership_config: MembershipConfig = MembershipConfig(),
+    def __init__(self, client: EtcdClient | Sequence[EtcdClient], layout: Layout, record: NodeRecord,
+                 namespace: Namespace, stream: EventStream, membership_config: MembershipConfig = MembershipConfig(),
                  health: HealthConfig = HealthConfig()) -> None:  # fmt: skip
         self.ledger = Ledger(namespace)
         self.stream, self.health = stream, health
-        self.membership = Membership(client, layout, record, membership_config)
-        self.publisher = Publisher(client, self.membership, lambda: [(k, DEVICE) for k in self.ledger.all_keys()])
+        clients = [client] if isinstance(client, EtcdClient) else list(client)  # one per index shard, shard 0 first
+        self.membership, self.publisher = node_index(clients, layout, record,
+                                                     lambda: [(k, DEVICE) for k in self.ledger.all_keys()],
+                                                     membership_config)  # fmt: skip
         self.registered = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
 
