@@ -23,7 +23,8 @@ from prefixpool.model.tokenizer import ByteTokenizer
 from tests.cluster.test_e2e import SHARED, WORKER_ARGS, _metrics, _wait_for_workers, post
 
 PD_ARGS = (*WORKER_ARGS, "--chunk-size", "64", "--fetch-timeout-s", "1")  # blocks appear 4 at a time
-ROUTER_ARGS = ("--pd-handoff-wait-s", "1")
+# A fast CPU prefills the tiny model's 1200 tokens in a few ms: weight 4 keeps them worth disaggregating there too
+ROUTER_ARGS = ("--pd-handoff-wait-s", "1", "--pd-interference-weight", "4")
 LONG = SHARED * 7  # ~1200 tokens: prefill on the decode node would stall its decoding more than a handoff costs
 TOKENIZER = ByteTokenizer()
 
