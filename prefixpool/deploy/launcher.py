@@ -64,8 +64,6 @@ class LocalCluster:
         self.log_dir = self._temp_logs.path if self._temp_logs else Path(self.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            if self.num_index_shards > 1 and self.vllm_roles:
-                raise ValueError("index shards reach our workers and routers; vLLM sidecars publish to one etcd")
             self.etcd = EtcdServer().start()
             self.shard_etcds = [EtcdServer().start() for _ in range(self.num_index_shards - 1)]
             for i in range(self.num_workers):
@@ -109,8 +107,12 @@ class LocalCluster:
         config = self.vllm
         if self.lora_nodes is not None and node_id not in {f"vllm-{i}" for i in range(self.lora_nodes)}:
             config = dataclasses.replace(config, lora_modules=())
-        return on_node(config, node_id, self.etcd.endpoint, self.vllm_connector, self.connector_settings,
-                       self.vllm_roles[node_id])
+        settings = {**self._shards_setting(), **self.connector_settings}
+        return on_node(config, node_id, self.etcd.endpoint, self.vllm_connector, settings, self.vllm_roles[node_id])
+
+    def _shards_setting(self) -> dict[str, str]:
+        """The connector's etcd_shards with index shards (nothing without)."""
+        return {"etcd_shards": ";".join(s.endpoint for s in self.etcd_shards)} if self.shard_etcds else {}
 
     @property
     def vllm_roles(self) -> dict[str, str]:
@@ -120,7 +122,8 @@ class LocalCluster:
     def start_sidecar(self, node_id: str) -> Child:
         server = self.vllm_servers[node_id]
         assert self.vllm is not None and self.etcd is not None
-        argv = sidecar_args(node_id, server, self.etcd.endpoint, self.vllm, self.sidecar_args, self.vllm_roles[node_id])
+        extra = (*self._common()[2:], *self.sidecar_args)  # --etcd-shards with index shards
+        argv = sidecar_args(node_id, server, self.etcd.endpoint, self.vllm, extra, self.vllm_roles[node_id])
         child = spawn(f"{node_id}-sidecar", python_argv(*argv), self.log_dir, self.env)
         self.sidecars[node_id] = child
         return child
