@@ -149,15 +149,22 @@ def test_the_router_names_both_and_streams_the_decode_servers_answer_equal_to_on
     plan = wait_for_pair(url, text)
     assert plan["prefill"]["node"] == P and plan["decode"]["node"] == D and plan["worker"] == D
     assert plan["kinds"] == {P: "vllm", D: "vllm"}  # pools take no requests
-    hits = pair.external_hits()
+    hits, handoffs = pair.external_hits(), router_handoffs(url)
     stream = client_for(url).completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0, stream=True,
                                                 stream_options={"include_usage": True})
     chunks = list(stream)
     text_streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert cached(chunks[-1]) == num_blocks * BLOCK  # D computed only the partial last block
     assert pair.external_hits() - hits == num_blocks * BLOCK
+    assert router_handoffs(url) - handoffs == 1
     assert text_streamed == cold(pair, text, "routed-cold")
     assert text_streamed == complete(pair.url(P), text, salt="routed-one-server").choices[0].text
+
+
+def router_handoffs(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(float(v) for v in re.findall(r"^prefixpool_pd_handoffs_total (\S+)$", text, re.M))
 
 
 def wait_for_pair(url: str, text: str, timeout_s: float = 60.0) -> dict:
