@@ -1,6 +1,6 @@
 """A router's presence in etcd: its own lease and its in-flight load, put coalesced.
 
-    start:  grant lease L (ttl), put routers/<id> = RouterLoad (its URL and load) under L
+    start:  grant lease L (ttl), put routers/<id> = RouterLoad (its URL, load and routed keys) under L
     loop:   woken by the tracker's on_change, or every ttl/4 for the keepalive:
             keepalive(L) when due; if the snapshot changed since the last put, put it; then sleep
             `period_s`, so a burst of begins and ends costs one put, not one each
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 class LoadSource(Protocol):  # prefixpool.router.inflight.InflightTracker
     def snapshot(self) -> dict[str, tuple[int, int]]: ...
+    def routed(self) -> dict[str, list[bytes]]: ...
     def published(self, snapshot: dict[str, tuple[int, int]], revision: int) -> None: ...
 
 
@@ -48,7 +49,7 @@ class LoadPublisher:
         self.lease_id: int | None = None
         self.revision = 0  # etcd revision of our latest put
         self.num_puts = 0
-        self._published: dict[str, tuple[int, int]] | None = None
+        self._published: tuple[dict[str, tuple[int, int]], dict[str, list[bytes]]] | None = None
         self._kept_at = 0.0  # time.monotonic() of the latest grant or keepalive
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -80,13 +81,13 @@ class LoadPublisher:
         log.info("router %s publishes its load under lease %x", self.router_id, self.lease_id)
 
     async def _put_if_changed(self) -> None:
-        current = self.tracker.snapshot()
-        if current == self._published:
+        current, routed = self.tracker.snapshot(), self.tracker.routed()
+        if (current, routed) == self._published:
             return
         assert self.lease_id is not None
-        load = RouterLoad(self.router_id, current, self.url)
+        load = RouterLoad(self.router_id, current, self.url, routed)
         self.revision = await self.client.put(self.layout.router_key(self.router_id), encode_load(load), self.lease_id)
-        self._published = current
+        self._published = current, routed
         self.tracker.published(current, self.revision)
         self.num_puts += 1
 

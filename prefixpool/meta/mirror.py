@@ -93,6 +93,10 @@ class Mirror:
         """etcd revision of the node's latest record, the load it reports included (0 if unknown)."""
         return self.node_revisions.get(node_id, 0)
 
+    def fleet_routed(self, keys: Sequence[BlockKey], exclude: str) -> dict[str, int]:
+        """Per node, keys[0..n) that routers other than `exclude` just sent there (their speculative entries)."""
+        return self.fleet.routed(keys, exclude)
+
     def fleet_share(self, worker: str, exclude: str) -> tuple[int, int]:
         """(requests, queued prefill tokens) that routers other than `exclude` have in flight on `worker`."""
         return self.fleet.share(worker, exclude)

@@ -43,6 +43,9 @@ class InflightTracker:
     _tickets: dict[int, _Ticket] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=itertools.count)
     on_change: Callable[[], None] = lambda: None
+    # worker -> block keys routed there and not yet in its KV events, published beside the load (the `pressure`
+    # policy's speculative entries; nothing for the other policies)
+    routed: Callable[[], dict[str, list[bytes]]] = dict
 
     def begin(self, worker: str, prefill_tokens: int) -> int:
         ticket_id = next(self._ids)

@@ -62,6 +62,7 @@ class ClusterView(Protocol):
     def workers(self) -> dict[str, WorkerInfo]: ...
     def fleet_share(self, worker: str, exclude: str) -> tuple[int, int]: ...
     def held_blocks(self, node_id: str) -> int: ...
+    def fleet_routed(self, keys: Sequence[BlockKey], exclude: str) -> dict[str, int]: ...
     def report_revision(self, node_id: str) -> int: ...
     def num_keys(self) -> int: ...
     def lag_s(self) -> float: ...
@@ -125,6 +126,10 @@ class Router:
         self.inflight = InflightTracker()
         self.rng = rng or random.Random(0)
         self._choose: Policy = available[config.policy]
+        speculative = getattr(self._choose, "speculative", None)  # pressure's entries: published, and others' read
+        if speculative is not None:
+            self.inflight.routed = speculative.snapshot
+        self._shares_routed = speculative is not None
         self._root = functools.lru_cache(maxsize=4096)(
             lambda salt, adapter: config.namespace.for_request(salt, adapter).root())  # as the vLLM sidecar keys
         self.token_text = TokenTexts(tokenizer.decode)  # each token's own text, for logprobs answers
@@ -204,6 +209,10 @@ class Router:
         pools = pools_of(self.view.workers(), self.config.namespace)
         matches = {n: m for n, m in self.view.longest_prefix(keys).items() if n in workers or n in pools}
         matches = with_own_pools(matches, workers)
+        if self._shares_routed:  # what other routers just sent to a node counts as held there, as our own does
+            for node_id, num in self.view.fleet_routed(keys, self.config.router_id).items():
+                if node_id in workers and num > matches.get(node_id, 0):
+                    matches[node_id] = num
         loads = {n: self._load(n, w) for n, w in workers.items()}
         request = RouteRequest(len(prepared.ids), len(keys), self._lower_tiers(keys, matches),
                                transfer_nodes(workers, pools), keys)

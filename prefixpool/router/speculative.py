@@ -5,6 +5,7 @@
     confirm(node, keys)         the index now shows them: the entries are no longer needed
     expire(now)                 entries past their TTL go (the request failed, or its events never came)
     num_pending(node)           blocks counted as held there and not yet confirmed
+    snapshot()                  node -> keys, published with the router's load so other routers count them too
 
 A burst of requests for a new prefix arrives faster than the node that computes it can publish its
 blocks: without these entries every request of the burst sees an empty index and the policy spreads
@@ -67,6 +68,14 @@ class SpeculativeBlocks:
             expires_at, node, key = self._order.popleft()
             if self._holders.get(key, {}).get(node) == expires_at:  # not refreshed by a later add
                 self._drop(node, key)
+
+    def snapshot(self) -> dict[str, list[BlockKey]]:
+        """node -> its speculative keys: what this router publishes for the others (prefixpool.meta.fleet_load)."""
+        held: dict[str, list[BlockKey]] = {}
+        for key, nodes in self._holders.items():
+            for node in nodes:
+                held.setdefault(node, []).append(key)
+        return held
 
     def num_pending(self, node: str) -> int:
         return self._counts.get(node, 0)

@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 
+from prefixpool.meta.fleet_load import FleetLoad, RouterLoad, decode_load, encode_load
 from prefixpool.meta.index import BlockIndex
 from prefixpool.model.tokenizer import ByteTokenizer
 from prefixpool.router.cost_model import CostModel
@@ -172,6 +173,7 @@ class _View:
     def __init__(self) -> None:
         self.index = BlockIndex()
         self.nodes = {n: _Worker(n, 64) for n in ("a", "b")}
+        self.fleet = FleetLoad()
 
     def workers(self):
         return self.nodes
@@ -187,6 +189,9 @@ class _View:
 
     def held_blocks(self, node_id):
         return self.index.num_blocks(node_id)
+
+    def fleet_routed(self, keys, exclude):
+        return self.fleet.routed(keys, exclude)
 
     def report_revision(self, node_id):
         return 0
@@ -219,3 +224,36 @@ def test_the_router_records_what_it_routes_and_prices_a_full_node():
     view.index.add(other, router.prepare(CompletionBody(model="tiny", prompt="x" * 256)).keys)  # full: 64 blocks
     priced = {c["worker"]: c["evict_s"] for c in router.explain(second)["candidates"]}
     assert priced[other] > 0 and priced[plan.worker] == 0
+
+
+# -- shared between routers -----------------------------------------------------------------------
+
+
+def test_other_routers_routed_keys_count_until_their_ttl():
+    clock = Clock()
+    fleet = FleetLoad(routed_ttl_s=5.0, clock=clock)
+    keys = request(15).keys
+    entry = RouterLoad("r2", {"b": (1, 544)}, "http://r2", {"b": list(keys)})
+    assert decode_load(encode_load(entry)) == entry
+    fleet.put(decode_load(encode_load(entry)), revision=3)
+    fleet.put(RouterLoad("r3", {}, "", {"a": list(keys[:4])}), revision=4)
+    assert fleet.routed(keys, exclude="me") == {"b": 17, "a": 4}
+    assert fleet.routed(keys, exclude="r2") == {"a": 4}, "a router's own entry is never read back"
+    assert fleet.routed(request(16, prefix=PREFIX + 1000).keys) == {}
+    clock.now += 5.5
+    assert fleet.routed(keys) == {}, "past the TTL a router's routed keys no longer count"
+    assert fleet.share("b") == (1, 544), "its load still does (the lease decides that)"
+
+
+def test_the_router_publishes_its_speculative_entries_and_reads_the_others():
+    view = _View()
+    router = _router(view)
+    prompt = "another shared system prompt, a few blocks long. "
+    mine = router.prepare(CompletionBody(model="tiny", prompt=prompt + "one"))
+    view.fleet.put(RouterLoad("r2", {}, "", {"b": list(mine.keys)}), revision=2)  # r2 just sent it to b
+    plan, matches = router.decide(mine)
+    assert plan.worker == "b" and matches["b"] == len(mine.keys), "the other router's entries steer this one"
+    assert router.inflight.routed() == {}, "nothing of its own to publish: b is already counted as holding it"
+    fresh = router.prepare(CompletionBody(model="tiny", prompt="an unrelated prompt of some length. " * 2))
+    plan, _ = router.decide(fresh)
+    assert set(router.inflight.routed()[plan.worker]) >= set(fresh.keys), "what it routes is what it publishes"
