@@ -7,15 +7,17 @@
         free     = its free blocks - its speculative blocks   (NodeLoad.free_blocks; None: unknown, never priced)
         evict_s  = lost-reuse weight x prefill of max(0, stored - free) blocks
     best     = the cheapest
-    tail     = best.queue_s > least loaded's queue_s + max_queue_gap_s  ─▶  the least loaded instead
+    tail     = best.ttft_s > the fastest one's ttft_s + max_ttft_gap_s   ─▶  the fastest instead
     record     best.worker holds the prompt's blocks, speculatively, for ttl_s
 
 Why each part. A second copy of a prefix on a node whose cache is full pushes other blocks out, and
 those are recomputed later: priced, the copy happens only when the holder's queue outweighs a full
 prefill plus that recompute, i.e. when the prefix's load needs two nodes. A burst of a new prefix
 arrives faster than vLLM's KV events come back; counted as held where it went, the burst stays on one
-node. And no holder's queue grows past a fixed gap over the least loaded node, whatever its prefix
-is worth. Knows nothing of HTTP, etcd or the engine.
+node. And no holder's queue grows without limit while another node idles: the prices (lost reuse,
+eviction) never keep a request on a node whose predicted TTFT is worse than another's by more than
+a fixed gap (what a prefix is worth buys at most that much TTFT), and they spill only where that is
+faster, so a spill never recomputes its way into a longer queue. Knows nothing of HTTP, etcd or the engine.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from prefixpool.router.speculative import SpeculativeBlocks
 class Pressure:
     """Stateful (its speculative entries): one instance per router, or per simulated run."""
 
-    def __init__(self, ttl_s: float = 5.0, max_queue_gap_s: float = 2.0,
+    def __init__(self, ttl_s: float = 5.0, max_ttft_gap_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.speculative = SpeculativeBlocks(ttl_s)
-        self.max_queue_gap_s = max_queue_gap_s
+        self.max_ttft_gap_s = max_ttft_gap_s
         self.clock = clock
 
     def __call__(self, request: RouteRequest, matches: dict[str, int], loads: dict[str, NodeLoad],
@@ -46,9 +48,9 @@ class Pressure:
         candidates = tuple(self.priced(terms_for(w, loads[w], shared), loads[w], request, costs)
                            for w in sorted(loads))
         best = min(candidates, key=lambda t: (t.cost_s, -t.local_blocks, t.worker))
-        least = min(candidates, key=lambda t: (t.queue_s, t.cost_s, t.worker))
-        if best.queue_s > least.queue_s + self.max_queue_gap_s:
-            best = least
+        fastest = min(candidates, key=lambda t: (t.ttft_s, t.cost_s, t.worker))
+        if best.ttft_s > fastest.ttft_s + self.max_ttft_gap_s:  # spilling only where it is faster: no meltdown
+            best = fastest
         if not explain:  # /v1/route answers where a request would go; it routes nothing
             self.speculative.add(best.worker, request.keys[matches.get(best.worker, 0):], now)
         return plan_of(request, best, candidates if explain else (), costs)
