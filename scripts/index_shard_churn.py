@@ -32,7 +32,10 @@ from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.meta.membership import MembershipConfig, NodeRecord
 from prefixpool.meta.publisher import PublisherConfig
-from prefixpool.meta.shards import node_index
+from prefixpool.meta.index import BlockIndex
+from prefixpool.meta.sharded_mirror import ShardedIndex
+from prefixpool.meta.shards import node_index, split
+from prefixpool.store.tier_names import DEVICE
 
 MIRROR_PROCESS = """
 import asyncio, json, sys, time
@@ -173,8 +176,41 @@ def _lag_cells(steps: dict[int, dict[int, Step]]) -> tuple[str, str, str]:
             f"{one.p50_ms:.1f} / {one.p99_ms:.1f} ms", f"{two.p50_ms:.1f} / {two.p99_ms:.1f} ms")
 
 
+class TwoShardIndexes:
+    """What a router's ShardedMirror asks, without etcd: one BlockIndex per shard, read as one."""
+
+    def __init__(self) -> None:
+        self.shards = [BlockIndex(), BlockIndex()]
+        self.view = ShardedIndex(self.shards)
+
+    def add(self, node_id: str, keys, tier: str = DEVICE) -> None:
+        for index, part in zip(self.shards, split(keys, len(self.shards))):
+            index.add(node_id, part, tier)
+
+    def longest_prefix(self, keys):
+        return self.view.longest_prefix(keys)
+
+    def lower_tiers(self, node_id: str, keys):
+        return self.view.lower_tiers(node_id, keys)
+
+    def num_blocks(self, node_id: str) -> int:
+        return sum(index.num_blocks(node_id) for index in self.shards)
+
+
+def lookup_row() -> tuple[str, str, str]:
+    """The router's longest_prefix over one index and over two shards' (bench_index.py's timing)."""
+    from bench_index import prompt_chains, time_longest_prefix
+
+    chains = prompt_chains(8000)
+    one, two = (time_longest_prefix(index, chains) for index in (BlockIndex(), TwoShardIndexes()))
+    return ("index shards: longest_prefix at 8k tokens over 8 workers, wall (thread CPU) (before: one index, "
+            "after: two shards' indexes, the walk split and merged)", *(f"{wall:.1f} us ({cpu:.1f} us)"
+                                                                         for wall, cpu in (one, two)))
+
+
 def shard_rows(args) -> list[tuple[str, str, str]]:
     """Rows (metric, 1 etcd cluster, 2 etcd clusters) for bench_index.py."""
+    lookup = lookup_row()
     runs = after(args.run_blocks)
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(EtcdServer()) for _ in range(2)]
@@ -189,6 +225,7 @@ def shard_rows(args) -> list[tuple[str, str, str]]:
     run_scaling = _gpus(run2) / _gpus(run1) if run1 else float("nan")
     k = 4
     return [
+        lookup,
         ("index shards, per block (txns of 128): sustainable block churn, stores + evictions/s, lag p99 < 100 ms "
          "(before: 1 etcd cluster, after: 2)", _churn_cell(block1), _churn_cell(block2)),
         ("index shards, per block: " + _lag_cells(per_block)[0], *_lag_cells(per_block)[1:]),

@@ -15,7 +15,9 @@
     A shard whose mirror is not connected (etcd down, stream broken, until its fresh
     snapshot) holds nothing: its keys are misses, so a prefix ends at its first key in that
     shard. A shard never lengthens a prefix, so a shard down never makes a wrong answer:
-    the request recomputes what is unknown, and the router keeps serving.
+    the request recomputes what is unknown, and the router keeps serving. With run-granular
+    publication (MirrorConfig.run_blocks) the same walk runs over the request's run-boundary
+    keys (prefixpool.meta.runs), as a single Mirror's does.
 
 Knows nothing of HTTP, policies or how blocks are published (prefixpool.meta.shards).
 """
@@ -23,6 +25,7 @@ Knows nothing of HTTP, policies or how blocks are published (prefixpool.meta.sha
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_left
 from typing import Iterable, Protocol, Sequence
 
 import numpy as np
@@ -40,6 +43,7 @@ from prefixpool.store.tier_names import DEVICE
 
 class ShardIndex(Protocol):
     def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]: ...
+    def num_lower(self, node_id: str) -> int: ...
     def lower_tiers(self, node_id: str, keys: Iterable[BlockKey]) -> dict[str, int]: ...
     def tier_of(self, node_id: str, key: BlockKey) -> str | None: ...
 
@@ -62,6 +66,8 @@ def longest_prefix(indexes: Sequence[ShardIndex | None], keys: Sequence[BlockKey
     ends: dict[str, int] = {}  # node -> its first miss so far (len(keys): none)
     for shard in [first, *(s for s in range(len(indexes)) if s != first)]:
         at, index = positions[shard], indexes[shard]
+        if shard != first:  # only this shard's keys before the longest prefix so far can shorten one
+            at = at[: bisect_left(at, max(ends.values(), default=0))]
         if not at:
             continue
         if index is None:
@@ -87,6 +93,8 @@ class ShardedIndex:
 
     def lower_tiers(self, node_id: str, keys: Iterable[BlockKey]) -> dict[str, int]:
         counts: dict[str, int] = {}
+        if not any(index.num_lower(node_id) for index in self.indexes if index is not None):
+            return counts  # most nodes hold nothing below the device: no split, no lookups
         keys = list(keys)
         if not keys:
             return counts
