@@ -55,6 +55,7 @@ class BlockTable:
         self.fill = np.zeros(num_buckets, np.uint8)
         self.columns: dict[str, np.ndarray] = {}
         self.num_used = 0  # slots with a fingerprint, live or tombstone
+        self.num_live = 0  # slots with a bit in some column
         self._mask = num_buckets - 1
         self._shift = np.uint64(64 - (num_buckets.bit_length() - 1))
 
@@ -126,6 +127,33 @@ class BlockTable:
             slots[new] = self._place(fps[new])
         return slots
 
+    def set_bits(self, slots: np.ndarray, name: str, mask: np.uint64) -> int:
+        """Set `mask` at distinct `slots` of column `name`; how many lacked it."""
+        column = self.column(name)
+        self.num_live += int(np.count_nonzero(~self._held(slots)))
+        had = int(np.count_nonzero(column[slots] & mask))
+        column[slots] |= mask
+        return slots.size - had
+
+    def clear_bits(self, slots: np.ndarray, name: str, mask: np.uint64) -> int:
+        """Clear `mask` at distinct `slots` of column `name`; how many had it."""
+        column = self.columns[name]
+        had = slots[(column[slots] & mask) != 0]
+        column[had] &= ~mask
+        self.num_live -= int(np.count_nonzero(~self._held(had)))
+        return int(had.size)
+
+    def clear_column(self, name: str, mask: np.uint64) -> None:
+        """Clear `mask` everywhere in column `name` (a pass over the table)."""
+        self.columns[name] &= ~mask
+        self.num_live = int(np.count_nonzero(self.live()))
+
+    def _held(self, slots: np.ndarray) -> np.ndarray:
+        held = np.zeros(slots.size, bool)
+        for column in self.columns.values():
+            held |= column[slots] != 0
+        return held
+
     def live(self) -> np.ndarray:
         """Bool per slot: some column has a bit there."""
         held = np.zeros(self.capacity, bool)
@@ -172,6 +200,7 @@ class BlockTable:
         slots = self._place(fps)
         for name, values in columns.items():
             self.column(name)[slots] = values
+        self.num_live = fps.size
 
     def check_integrity(self) -> None:
         flat = self.fp.reshape(-1)
@@ -183,6 +212,7 @@ class BlockTable:
         present = np.flatnonzero(flat)
         assert np.unique(flat[present]).size == present.size, "a fingerprint in two slots"
         assert (self.find(flat[present]) == present).all(), "a fingerprint its lookup does not reach"
+        assert self.num_live == int(np.count_nonzero(self.live())), "live count"
         for name, column in self.columns.items():
             assert column.size == self.capacity + 1 and not column[-1], f"{name}: no zero word for ABSENT"
             assert not column[:-1][flat == 0].any(), f"bits on an empty slot in {name}"

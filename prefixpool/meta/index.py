@@ -49,11 +49,8 @@ class BlockIndex:
         self.counts: dict[str, dict[str, int]] = {}  # node -> {tier: blocks it holds there}
 
     def __len__(self) -> int:
-        """Distinct blocks with a holder: a pass over the table(s), for gauges and tests."""
-        if len(self.groups) == 1:
-            return int(np.count_nonzero(self.groups[0].live()))
-        live = [table.fp.reshape(-1)[table.live()] for table in self.groups]
-        return int(np.unique(np.concatenate(live)).size) if live else 0
+        """Blocks with a holder, counted once per group of nodes holding them (exact up to 64 nodes)."""
+        return sum(table.num_live for table in self.groups)
 
     def num_blocks(self, node_id: str) -> int:
         return sum(self.counts.get(node_id, {}).values())
@@ -71,10 +68,8 @@ class BlockIndex:
         slots = table.insert(fps)
         counts = self.counts[node_id]
         for other in [t for t, num in counts.items() if num and t != tier]:
-            counts[other] -= _clear(table.columns[other], slots, mask)
-        column = table.column(tier)
-        counts[tier] = counts.get(tier, 0) + fps.size - int(np.count_nonzero(column[slots] & mask))
-        column[slots] |= mask
+            counts[other] -= table.clear_bits(slots, other, mask)
+        counts[tier] = counts.get(tier, 0) + table.set_bits(slots, tier, mask)
 
     def remove(self, node_id: str, keys: Iterable[BlockKey]) -> None:
         if node_id not in self.slot_of:
@@ -84,7 +79,7 @@ class BlockIndex:
         slots = slots[slots != ABSENT]
         counts = self.counts[node_id]
         for tier in [t for t, num in counts.items() if num]:
-            counts[tier] -= _clear(table.columns[tier], slots, mask)
+            counts[tier] -= table.clear_bits(slots, tier, mask)
         if not any(counts.values()):
             self._release(node_id)
 
@@ -94,7 +89,7 @@ class BlockIndex:
         table, mask = self._slot(node_id)
         for tier, num in self.counts[node_id].items():
             if num:
-                table.columns[tier] &= ~mask
+                table.clear_column(tier, mask)
         self._release(node_id)
 
     def tier_of(self, node_id: str, key: BlockKey) -> str | None:
@@ -176,10 +171,3 @@ class BlockIndex:
 
 def _distinct(fps: np.ndarray) -> np.ndarray:
     return np.unique(fps) if fps.size > 1 else fps  # np.unique costs more than the rest of a one-key add
-
-
-def _clear(column: np.ndarray, slots: np.ndarray, mask: np.uint64) -> int:
-    """Clear `mask` at `slots` (distinct); how many had it."""
-    had = slots[(column[slots] & mask) != 0]
-    column[had] &= ~mask
-    return int(had.size)
