@@ -95,8 +95,10 @@ def private_tmpdir(path: str):
 def test_cache_hit_through_ray(deployment):
     first = ask(deployment.router_url, PROMPT, "ray")
     again = ask(deployment.router_url, PROMPT + "again", "ray")
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # cached_tokens: what the node that streams did not compute. The first may have been disaggregated (then
+    # it counts the blocks its decode node received); the repeat reuses at least that, and never nothing.
+    first_cached = first["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= max(first_cached, 1)
 
 
 def test_prefill_and_decode_actors_register_their_roles_and_the_router_pairs_them(deployment):
