@@ -13,7 +13,8 @@ KEYS = chain_ids(range(12), Namespace("batches"))
 NODES = ("n0", "n1")
 
 event = st.one_of(
-    st.tuples(st.just("put"), st.sampled_from(NODES), st.sampled_from(KEYS), st.sampled_from([b"device", b"host", b"%"])),
+    st.tuples(st.just("put"), st.sampled_from(NODES), st.sampled_from(KEYS),
+              st.sampled_from([b"device", b"host", b"%"])),  # "%": a malformed tier
     st.tuples(st.just("delete"), st.sampled_from(NODES), st.sampled_from(KEYS), st.just(b"")),
     st.tuples(st.just("foreign"), st.just(""), st.just(b""), st.just(b"x")),
 )

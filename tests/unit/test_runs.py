@@ -58,3 +58,18 @@ def test_run_lengths_cover_the_keys_up_to_the_last_boundary():
     ends = runs.boundaries(KEYS[:300], 8)
     assert sum(lengths.values()) == ends[-1] + 1
     assert list(lengths) == [KEYS[i] for i in ends]
+
+
+def test_mirror_counts_a_run_in_its_boundary_tier():
+    from prefixpool.meta.etcd_client import EtcdClient
+    from prefixpool.meta.layout import Layout
+    from prefixpool.meta.mirror import Mirror, MirrorConfig
+
+    mirror = Mirror(EtcdClient("127.0.0.1:1"), Layout("tiers"), MirrorConfig(run_blocks=4))
+    keys = KEYS[:200]
+    ends = runs.boundaries(keys, 4)
+    mirror.index.add("n0", [keys[ends[0]], keys[ends[2]]], "device")
+    mirror.index.add("n0", [keys[ends[1]]], "host")
+    assert mirror.longest_prefix(keys) == {"n0": ends[2] + 1}
+    assert mirror.lower_tiers("n0", keys[: ends[2] + 1]) == {"host": ends[1] - ends[0]}
+    assert mirror.lower_tiers("n1", keys) == {}
