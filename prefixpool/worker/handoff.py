@@ -9,7 +9,8 @@
 Each round asks the prefill node for every block from the first one this node lacks up to `end`;
 its transfer source serves the longest run it has committed so far (and stops there), so a round
 moves what appeared since the last one. A round that brings nothing waits `poll_s` and asks again,
-until no block came for `wait_s` seconds. A failed round (the prefill node died, stalled past the
+until no block came for `wait_s` seconds (or at once when this node has no free block to receive
+into). A failed round (the prefill node died, stalled past the
 fetch deadline, or sent a block whose checksum fails) ends the handoff at once: whatever did not
 arrive intact is computed here, so a failure costs time, never a wrong answer. The partial last
 block of a prompt has no key and is never moved: the decode node computes those tokens (fewer than
@@ -54,6 +55,8 @@ async def receive(exchange: BlockExchange, keys: Sequence[BlockKey], peer_url: s
             return received
         if not fetched.num_blocks:
             exchange.blocks.release(fetched.hold)
+            if not exchange.blocks.num_free:  # every block here is held: nothing can land until the end
+                return received
         else:
             received.holds.append(fetched.hold)
             received.num_blocks += fetched.num_blocks

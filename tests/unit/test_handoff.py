@@ -30,7 +30,7 @@ class PrefillNode:
         if self.die_at is not None and self.rounds >= self.die_at:
             return Fetched(None, 0, 0)
         committed = min(self.rounds * self.per_round, self.stop_after)
-        n = max(0, min(len(keys), committed - first))
+        n = max(0, min(len(keys), committed - first, self.blocks.num_free))  # as the Fetcher: only into free blocks
         hold = self.blocks.acquire(())
         self.blocks.allocate(hold, n)
         for i in range(n):
@@ -95,4 +95,14 @@ def test_blocks_already_held_are_not_asked_for():
     node.blocks.release(hold)
     received = run(node)
     assert received.complete and node.asked == [5] and received.num_blocks == 5
+    release(node, received)
+
+
+def test_a_decode_node_without_a_free_block_stops_asking():
+    node = PrefillNode(per_round=3)
+    hold = node.blocks.acquire(())
+    node.blocks.allocate(hold, 32)  # held by running requests: the pool has no room
+    received = run(node, wait_s=100.0)
+    assert not received.complete and received.num_blocks == 0 and node.rounds == 1
+    node.blocks.release(hold)
     release(node, received)
