@@ -124,12 +124,14 @@ class _Run:
             _, _, name, keys, tokens = heapq.heappop(self.finishing)
             node = self.nodes[name]
             node.queued_tokens -= tokens
+            changed: dict[str | None, list[BlockKey]] = {}
             for key in runs.published(node.store(keys), self.config.run_blocks):  # what etcd would learn
-                tier = node.tier_of(key)
+                changed.setdefault(node.tier_of(key), []).append(key)
+            for tier, moved in changed.items():  # one index call per tier, not per key
                 if tier is None:
-                    self.index.remove(name, [key])
+                    self.index.remove(name, moved)
                 else:
-                    self.index.add(name, [key], tier)
+                    self.index.add(name, moved, tier)
 
     def admit(self, seq: int, record: TraceRecord) -> None:
         """Route one arrival with the router's policy and queue its prefill on the chosen node."""
