@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=5_000_000, help="blocks indexed for the memory rows")
     parser.add_argument("--run-blocks", type=int, default=32, help="churn: the 'after' publication's run length N")
     parser.add_argument("--churn-seconds", type=float, default=3.0, help="churn: seconds per load step")
-    parser.add_argument("--churn-rounds", type=int, default=2, help="churn: before/after ladders, interleaved")
+    parser.add_argument("--churn-tries", type=int, default=3, help="churn: tries per load step before it fails")
     args = parser.parse_args()
     rows = [row for section in args.sections.split(",") for row in SECTIONS[section](args)]
     print("\n| metric | before (dict index) | after (compact) |")
