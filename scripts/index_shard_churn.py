@@ -127,18 +127,22 @@ async def offer(endpoints: list[str], ns: str, setting: Setting, gpus: int, seco
                 float(p99), len(published) - len(lags))
 
 
-def paired_ladder(endpoints: list[str], setting: Setting, gpu_steps: list[int],
-                  seconds: float) -> dict[int, dict[int, Step]]:  # fmt: skip
+def paired_ladder(endpoints: list[str], setting: Setting, gpu_steps: list[int], seconds: float,
+                  tries: int = 1) -> dict[int, dict[int, Step]]:  # fmt: skip
     """Each step against 1 shard, then at once against 2 (the same machine load for both), rising while
-    either still sustains it; {shards: {gpus: step}}."""
+    either still sustains it; a step gets up to `tries` tries (other load only ever lowers what a step
+    sustains, as in index_churn.try_step); {shards: {gpus: step}}."""
     steps: dict[int, dict[int, Step]] = {1: {}, 2: {}}
     for gpus in gpu_steps:
         for shards in (1, 2):
             ran = steps[shards]
             if ran and not ran[max(ran)].sustained:
                 continue  # this one already failed a lower step
-            ns = f"shards{shards}r{setting.run_blocks}x{gpus}t{time.monotonic_ns()}"
-            step = ran[gpus] = asyncio.run(offer(endpoints[:shards], ns, setting, gpus, seconds))
+            for _ in range(tries):
+                ns = f"shards{shards}r{setting.run_blocks}x{gpus}t{time.monotonic_ns()}"
+                step = ran[gpus] = asyncio.run(offer(endpoints[:shards], ns, setting, gpus, seconds))
+                if step.sustained:
+                    break
             print(f"  {shards} shard(s), {setting.name}: {gpus} GPUs -> {step.offered_ops_s:,.0f} block ops/s, "
                   f"etcd {step.etcd_ops_s:,.0f} ops/s, lag p50 {step.p50_ms:.1f} p99 {step.p99_ms:.1f} ms, "
                   f"{step.missing} missing", file=sys.stderr, flush=True)
@@ -221,10 +225,11 @@ def shard_rows(args) -> list[tuple[str, str, str]]:
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(EtcdServer()) for _ in range(2)]
         endpoints = [server.endpoint for server in servers]
-        per_block = paired_ladder(endpoints, BEFORE, [1, 2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64],
-                                  args.churn_seconds)
-        coalesced = paired_ladder(endpoints, runs, [8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768],
-                                  args.churn_seconds)
+        tries = getattr(args, "churn_tries", 1)
+        per_block = paired_ladder(endpoints, BEFORE, [1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64], args.churn_seconds,
+                                  tries)
+        coalesced = paired_ladder(endpoints, runs, [8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768],
+                                  args.churn_seconds, tries)
     block1, block2 = best(per_block[1]), best(per_block[2])
     run1, run2 = best(coalesced[1]), best(coalesced[2])
     scaling = _gpus(block2) / _gpus(block1) if block1 else float("nan")
