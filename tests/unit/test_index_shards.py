@@ -78,3 +78,30 @@ def test_lower_tiers_and_tier_of_over_shards():
     partial = ShardedIndex([None if s == down else shards[s] for s in range(2)])
     assert partial.tier_of("a", keys[0]) is None
     assert sum(partial.lower_tiers("a", keys).values()) == sum(1 for k in keys[:20] if shard_of(k, 2) != down)
+
+
+def test_every_process_reads_the_shards_alike():
+    """Router, worker and sidecar settings (--etcd-shards) and the connector's etcd_shards: shard 0 is
+    --etcd-endpoints (its default gives way; another value is refused), one shard when unset."""
+    from prefixpool.deploy.router_settings import RouterSettings
+    from prefixpool.deploy.worker_settings import WorkerSettings
+    from prefixpool.vllm_connector.config import BadConnectorConfig, config_from
+
+    assert RouterSettings().shard_endpoints == ("127.0.0.1:2379",)
+    sharded = WorkerSettings(etcd_shards="a:1,a:2;b:1")
+    assert sharded.etcd_endpoints == "a:1,a:2" and sharded.shard_endpoints == ("a:1,a:2", "b:1")
+    same = RouterSettings(etcd_endpoints="a:1,a:2", etcd_shards="a:1,a:2;b:1")
+    assert same.shard_endpoints == sharded.shard_endpoints
+    for bad in ({"etcd_endpoints": "c:1", "etcd_shards": "a:1;b:1"}, {"etcd_shards": "a;b:1"}):
+        try:
+            RouterSettings(**bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} accepted")
+    assert config_from({"etcd_shards": "a:1;b:1"}).shard_endpoints() == ("a:1", "b:1")
+    assert config_from({}).shard_endpoints() == ("127.0.0.1:2379",)
+    try:
+        config_from({"etcd_shards": "a;b"})
+    except BadConnectorConfig:
+        return
+    raise AssertionError("a bad etcd_shards accepted")
