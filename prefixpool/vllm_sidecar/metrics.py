@@ -1,12 +1,16 @@
-"""vLLM's load, read from its Prometheus /metrics: requests waiting and running, summed over engines.
+"""vLLM's load and cache size, read from its Prometheus /metrics: requests waiting and running, summed
+over engines, and the KV blocks it allocated.
 
     vllm:num_requests_running{engine="0",model_name="m"} 3.0   ─▶ Load(num_queued=waiting, num_running=3)
     vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+    vllm:cache_config_info{...,num_gpu_blocks="150",...} 1.0  ─▶ 149 blocks (one is vLLM's null block)
 
 Knows nothing of etcd or of what the load is for.
 """
 
 from __future__ import annotations
+
+import re
 
 import aiohttp
 
@@ -37,5 +41,20 @@ async def sample_load(session: aiohttp.ClientSession, vllm_url: str) -> Load | N
             if response.status != 200:
                 return None
             return parse_load(await response.text())
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return None
+
+
+def parse_num_blocks(text: str) -> int | None:
+    """The KV blocks vLLM can fill with prefixes (its null block left out); None when it does not say."""
+    found = re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text)
+    return max(0, int(found.group(1)) - 1) if found else None
+
+
+async def sample_num_blocks(session: aiohttp.ClientSession, vllm_url: str) -> int | None:
+    """vLLM's KV cache size in blocks (the node record's num_blocks: what the router prices eviction by)."""
+    try:
+        async with session.get(f"{vllm_url}/metrics") as response:
+            return parse_num_blocks(await response.text()) if response.status == 200 else None
     except (aiohttp.ClientError, OSError, TimeoutError):
         return None

@@ -32,7 +32,7 @@ from prefixpool.meta.membership import MembershipConfig, NodeRecord
 from prefixpool.meta.shards import node_index
 from prefixpool.vllm_sidecar.event_stream import EventStream, Reset
 from prefixpool.vllm_sidecar.ledger import Change, Ledger
-from prefixpool.vllm_sidecar.metrics import sample_load
+from prefixpool.vllm_sidecar.metrics import sample_load, sample_num_blocks
 from prefixpool.store.keys import Namespace
 from prefixpool.store.tier_names import DEVICE
 
@@ -109,7 +109,9 @@ class VllmNode:
             healthy = await self._healthy()
             failures = 0 if healthy else failures + 1
             if healthy and not self.registered.is_set() and (adapters := await self._served_adapters()) is not None:
-                self.membership.record = msgspec.structs.replace(self.membership.record, adapters=adapters)
+                num_blocks = await sample_num_blocks(self._session, self.vllm_url)  # None: 0, size not said
+                self.membership.record = msgspec.structs.replace(self.membership.record, adapters=adapters,
+                                                                 num_blocks=num_blocks or 0)
                 await self.membership.start()
                 self.registered.set()
                 log.info("vLLM at %s is up: node %s registered", self.vllm_url, self.membership.record.node_id)

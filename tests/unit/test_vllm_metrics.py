@@ -3,7 +3,7 @@
 import asyncio
 
 from prefixpool.meta.load_report import Load, report_load
-from prefixpool.vllm_sidecar.metrics import parse_load
+from prefixpool.vllm_sidecar.metrics import parse_load, parse_num_blocks
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -52,3 +52,10 @@ def test_a_load_is_put_when_it_changes_and_a_failed_sample_puts_nothing():
 
     asyncio.run(run())
     assert sink.puts == [(0, 1, 0.0), (2, 1, 0.0), (0, 0, 0.0)]
+
+
+def test_the_cache_size_is_vllms_allocated_blocks_less_its_null_block():
+    info = ('vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",'
+            'num_gpu_blocks="150",num_gpu_blocks_override="150",prefix_caching_hash_algo="sha256"} 1.0\n')
+    assert parse_num_blocks(METRICS + info) == 149
+    assert parse_num_blocks(METRICS) is None, "a vLLM that does not say its size: the router prices no eviction"
