@@ -8,6 +8,7 @@
         evict_s  = lost-reuse weight x prefill of max(0, stored - free) blocks
     best     = the cheapest
     tail     = best.ttft_s > max_ttft_ratio x the fastest one's ttft_s + max_ttft_gap_s  ─▶  the fastest
+               best's requests in flight > 2 x the fewest + max_request_gap             ─▶  the least busy
     record     best.worker holds the prompt's blocks, speculatively, for ttl_s
 
 Why each part. A second copy of a prefix on a node whose cache is full pushes other blocks out, and
@@ -20,7 +21,9 @@ eviction) never keep a request on a node whose predicted TTFT is more than twice
 spill never recomputes its way into a longer queue. A bound relative to the request's own TTFT, not
 a fixed gap: with a 70B model's multi-second prefills a 2 s gap alone spilled held prefixes to be
 recomputed (`prefixpool replay synthetic --no-fetch`: hit rate 0.323 against the ratio's 0.352).
-Knows nothing of HTTP, etcd or the engine.
+The second tail rule counts requests, not predicted seconds: where a request's cost is mostly fixed
+(vLLM on a CPU, a tiny model), a hit's few prefill tokens hide a queue that grows to tens of seconds
+(measured: benchmarks/gateway.md). Knows nothing of HTTP, etcd or the engine.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ class Pressure:
     """Stateful (its speculative entries): one instance per router, or per simulated run."""
 
     def __init__(self, ttl_s: float = 5.0, max_ttft_ratio: float = 2.0, max_ttft_gap_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_request_gap: int = 4, clock: Callable[[], float] = time.monotonic) -> None:
         self.speculative = SpeculativeBlocks(ttl_s)
         self.max_ttft_ratio, self.max_ttft_gap_s = max_ttft_ratio, max_ttft_gap_s
+        self.max_request_gap = max_request_gap
         self.clock = clock
 
     def __call__(self, request: RouteRequest, matches: dict[str, int], loads: dict[str, NodeLoad],
@@ -54,6 +58,9 @@ class Pressure:
         fastest = min(candidates, key=lambda t: (t.ttft_s, t.cost_s, t.worker))
         if best.ttft_s > self.max_ttft_ratio * fastest.ttft_s + self.max_ttft_gap_s:  # only where it is faster
             best = fastest
+        least = min(candidates, key=lambda t: (loads[t.worker].num_running, t.ttft_s, t.worker))
+        if loads[best.worker].num_running > 2 * loads[least.worker].num_running + self.max_request_gap:
+            best = least
         if not explain:  # /v1/route answers where a request would go; it routes nothing
             self.speculative.add(best.worker, request.keys[matches.get(best.worker, 0):], now)
         return plan_of(request, best, candidates if explain else (), costs)

@@ -160,6 +160,16 @@ def test_the_tail_bound_spills_only_where_it_is_faster():
     assert choose(pressure(), request(14, prefix=LONG), node_loads, {"a": 99}) == "a"
 
 
+def test_requests_in_flight_bound_a_holder_whose_queue_its_hits_hide():
+    """Hits prefill 32 tokens each: 20 of them queued on a look like 0.3 s, a queue vLLM on a CPU takes
+    seconds to clear; past 2 x b's requests + 4, b takes the request though it must recompute."""
+    busy = {"a": NodeLoad(queued_prefill_tokens=20 * 32, num_running=20, free_blocks=0),
+            "b": NodeLoad(queued_prefill_tokens=3 * 544, num_running=3, free_blocks=0)}
+    assert choose(pressure(), request(15), busy, {"a": 16}) == "b"
+    calmer = {**busy, "a": NodeLoad(queued_prefill_tokens=10 * 32, num_running=10, free_blocks=0)}
+    assert choose(pressure(), request(15), calmer, {"a": 16}) == "a"
+
+
 # -- through the router ---------------------------------------------------------------------------
 
 
