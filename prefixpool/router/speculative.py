@@ -15,7 +15,7 @@ them, making a copy of the prefix on every node. sglang-router counts a routed p
 Expiry order, oldest first (the TTL is one constant, so the queue is already sorted):
 
     _order:  (t0, a, k1) (t0, a, k2) (t1, b, k1) ...  ─▶ popped while expires_at <= now;
-             an entry refreshed since (a later add) keeps its newer time and survives the pop
+             a key confirmed and added again since holds a newer time and survives the old one's pop
 Knows nothing of policies, etcd or HTTP.
 """
 
@@ -37,13 +37,16 @@ class SpeculativeBlocks:
         self._order: deque[tuple[float, str, BlockKey]] = deque()
 
     def add(self, node: str, keys: Iterable[BlockKey], now: float) -> None:
+        """Entries already pending keep their first expiry: a claim that routing renewed would outlive the
+        blocks it names (a node evicts them, its events say so, and each request sent there on the strength
+        of the claim would renew it: measured, one vLLM server took 92% of the work and thrashed)."""
         expires_at = now + self.ttl_s
         for key in keys:
             nodes = self._holders.setdefault(key, {})
             if node not in nodes:
                 self._counts[node] = self._counts.get(node, 0) + 1
-            nodes[node] = expires_at
-            self._order.append((expires_at, node, key))
+                nodes[node] = expires_at
+                self._order.append((expires_at, node, key))
 
     def extend(self, keys: Sequence[BlockKey], matches: dict[str, int]) -> dict[str, int]:
         """`matches` (node -> keys[0..n) held by the index) with each node's run continued through the keys

@@ -71,10 +71,13 @@ def test_speculative_entries_extend_match_confirm_and_expire():
     spec.check_integrity()
     spec.expire(12.0)  # a's entries were dated 10.0: gone; b's (10.5) stay
     assert spec.num_pending("a") == 0 and spec.num_pending("b") == 1
-    spec.add("b", keys[16:], now=12.0)  # refreshed: the old expiry in the queue must not drop it
+    spec.add("b", keys[16:], now=12.0)  # routed there again: the claim is not renewed (it could outlive the block)
     spec.expire(12.6)
-    assert spec.num_pending("b") == 1
+    assert spec.num_pending("b") == 0
+    spec.add("b", keys[16:], now=13.0)  # a new claim after the old one went: its own expiry
     spec.expire(14.0)
+    assert spec.num_pending("b") == 1
+    spec.expire(18.0)
     assert len(spec) == 0
     spec.check_integrity()
 
