@@ -13,8 +13,8 @@ dataset prefix_repetition or random) sends the shape's prompts at its Poisson ra
 vLLM's own: the rise of vllm:prefix_cache_hits_total over vllm:prefix_cache_queries_total, summed over
 both servers; TTFT and ITL percentiles are the client's; the ideal is one never-evicting cache fed the
 same prompts. sglang-router is installed into .venv-vllm on first use (pip, sglang-router==0.3.2).
-A fleet is reused across its shape's fronts (a reset empties it; vLLM starts take most of a run) and
-warmed up first; the fronts run interleaved, so a slow spell of the shared machine falls on all of them.
+A fleet is reused across its shape's fronts (a reset empties it; vLLM starts take most of a run), warmed
+up first with --warm-up; the fronts run interleaved, so a slow spell of the shared machine falls on all of them.
 """
 
 from __future__ import annotations
@@ -243,10 +243,12 @@ def warm_up(cluster: LocalCluster, shape: Shape) -> None:
                                          {"model": MODEL, "prompt": p, "max_tokens": shape.output_len}), prompts))
 
 
-def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp: Path, out: Path | None) -> None:
+def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp: Path, out: Path | None,
+              warm: bool) -> None:
     config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks)
     with LocalCluster(num_workers=0, vllm=config, num_vllm=2, log_dir=tmp / f"logs-{shape.name}") as cluster:
-        warm_up(cluster, shape)
+        if warm:
+            warm_up(cluster, shape)
         for round_no in range(repeat):
             order = fronts[round_no % len(fronts):] + fronts[:round_no % len(fronts)]
             for front in order:
@@ -267,6 +269,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fronts", default="pressure,cost,round_robin,sglang",
                         help=f"comma list: router policies ({', '.join(ROUTER_POLICIES)}) and sglang")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of the fronts per shape, rotated")
+    parser.add_argument("--warm-up", action="store_true", help="send each fresh fleet a few prompts first "
+                        "(runs with it showed requests stalled for tens of seconds under every front; off by default)")
     parser.add_argument("--limit", type=int, default=0, help="at most this many prompts per run (0: the shape's)")
     parser.add_argument("--out", default="", help="also write the table, with this command, to this file")
     args = parser.parse_args()
@@ -293,7 +297,7 @@ def main() -> None:
         subprocess.run([str(DEFAULT_PYTHON), "-m", "prefixpool.testing.tiny_llama", str(model_dir),
                         "--max-position", "2048"], check=True, capture_output=True)
         for shape in args.shapes:
-            run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out)
+            run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out, args.warm_up)
     emit("", out)
     for shape in args.shapes:
         emit(f"- {shape.name}: {shape.describe()}", out)
