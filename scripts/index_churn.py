@@ -32,10 +32,11 @@ import numpy as np
 
 from prefixpool.deploy.etcd_server import EtcdServer
 from prefixpool.meta import runs
-from prefixpool.meta.etcd_client import MAX_TXN_OPS, EtcdClient
+from prefixpool.meta.etcd_client import MAX_TXN_OPS
 from prefixpool.meta.layout import Layout
-from prefixpool.meta.membership import Membership, MembershipConfig, NodeRecord
+from prefixpool.meta.membership import MembershipConfig, NodeRecord
 from prefixpool.meta.publisher import Publisher, PublisherConfig
+from prefixpool.testing.index_node import IndexNode
 
 GPU_TOKENS_PER_S = 25_000  # one Llama-3-8B H100 at full prefill
 BLOCK_TOKENS = 16
@@ -47,28 +48,33 @@ LIFETIME_S = 0.5
 NUM_NODES = 4
 SAMPLE_MASK = 31  # lag is measured on the keys whose last byte is a multiple of 32: boundaries for N <= 32
 
+# the router mirror in another process: index_mirror over the shards (a plain Mirror for one) timestamps the
+# puts it applies; "ready" once synced, then the per-shard revisions to wait for on stdin, {key: time} on stdout
 MIRROR_PROCESS = """
 import asyncio, json, sys, time
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
-from prefixpool.meta.mirror import Mirror, MirrorConfig
-async def main(endpoint, ns, run_blocks):
-    mirror = Mirror(EtcdClient(endpoint), Layout(ns), MirrorConfig(run_blocks=run_blocks))
-    seen, apply = {}, mirror._apply
-    def timed(batch):
-        apply(batch)
-        now = time.monotonic()
-        for event in batch.events:
-            if event.is_put:
-                seen.setdefault(event.key, now)
-    mirror._apply = timed
+from prefixpool.meta.mirror import MirrorConfig
+from prefixpool.meta.sharded_mirror import index_mirror
+async def main(endpoints, ns, run_blocks):
+    clients = [EtcdClient(e) for e in endpoints.split(";")]
+    mirror = index_mirror(clients, Layout(ns), MirrorConfig(run_blocks=run_blocks))
+    shards, seen = getattr(mirror, "shards", [mirror]), {}
+    for shard in shards:
+        def timed(batch, apply=shard._apply):
+            apply(batch)
+            now = time.monotonic()
+            for event in batch.events:
+                if event.is_put:
+                    seen.setdefault(event.key, now)
+        shard._apply = timed
     await mirror.start()
-    while mirror.revision == 0:
+    while not all(s.revision for s in shards):
         await asyncio.sleep(0.01)
     print("ready", flush=True)
-    target = int(await asyncio.to_thread(sys.stdin.readline))
+    targets = json.loads(await asyncio.to_thread(sys.stdin.readline))
     try:
-        await mirror.wait_revision(target, 60)
+        await mirror.wait_revision(targets if len(shards) > 1 else targets[0], 60)
     except TimeoutError:
         pass
     print(json.dumps({k.decode(): t for k, t in seen.items()}), flush=True)
@@ -112,40 +118,36 @@ def random_keys(count: int, rng: np.random.Generator) -> list[bytes]:
     return [raw[i : i + 16] for i in range(0, len(raw), 16)]
 
 
-async def start_node(endpoint: str, ns: str, node_id: str, setting: Setting) -> Publisher:
-    client = EtcdClient(endpoint, max_txn_ops=setting.max_txn_ops)
+def bench_node(endpoints: list[str], ns: str, node_id: str, setting: Setting) -> IndexNode:
+    """One node's publication over every shard (a plain Publisher for one); it publishes through .publisher."""
     record = NodeRecord(node_id, "http://127.0.0.1:0", "tcp://127.0.0.1:0", BLOCK_TOKENS, 1 << 20, "bench")
-    membership = Membership(client, Layout(ns), record, MembershipConfig(ttl_s=30))
     config = PublisherConfig(max_pending=1 << 22, window_s=setting.window_s, run_blocks=setting.run_blocks)
-    publisher = Publisher(client, membership, list, config)
-    await publisher.start()
-    await membership.start()
-    return publisher
+    return IndexNode(endpoints, ns, record, MembershipConfig(ttl_s=30), config, max_txn_ops=setting.max_txn_ops)
 
 
-async def stop_node(publisher: Publisher) -> None:
-    await publisher.stop()
-    await publisher.membership.stop()
-    await publisher.client.close()
-
-
-async def offer(endpoint: str, ns: str, setting: Setting, gpus: int, seconds: float) -> Step:
-    """One load step: `gpus` GPUs' churn for `seconds`, through NUM_NODES publishers, lag seen by another process."""
-    mirror = subprocess.Popen([sys.executable, "-c", MIRROR_PROCESS, endpoint, ns, str(setting.run_blocks)],
+async def offer(endpoints: list[str], ns: str, setting: Setting, gpus: int, seconds: float,
+                compact: bool = False) -> Step:  # fmt: skip
+    """One load step: `gpus` GPUs' churn for `seconds`, through NUM_NODES nodes publishing over len(endpoints)
+    shards, lag seen by a mirror process watching all of them; `compact`: etcd's history up to the step's end
+    (keeps it from growing over the steps)."""
+    mirror = subprocess.Popen([sys.executable, "-c", MIRROR_PROCESS, ";".join(endpoints), ns, str(setting.run_blocks)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert (await asyncio.wait_for(asyncio.to_thread(mirror.stdout.readline), 30)).strip() == "ready"
-        publishers = [await start_node(endpoint, ns, f"n{i}", setting) for i in range(NUM_NODES)]
+        nodes = [await bench_node(endpoints, ns, f"n{i}", setting).start() for i in range(NUM_NODES)]
+        publishers = [node.publisher for node in nodes]
         written_before = sum(p.num_written for p in publishers)
         published, num_stored, num_evicted, elapsed = await _churn(publishers, gpus, seconds, Layout(ns))
-        revision = max([await p.flush(60) for p in publishers] + [p.membership.revision for p in publishers])
+        targets = np.max([await node.revisions() for node in nodes], axis=0).tolist()
         written = sum(p.num_written for p in publishers) - written_before
-        mirror.stdin.write(f"{revision}\n")
+        mirror.stdin.write(json.dumps(targets) + "\n")
         mirror.stdin.flush()
         seen = json.loads(await asyncio.wait_for(asyncio.to_thread(mirror.stdout.readline), 90))
-        await publishers[0].client.compact(revision)  # keep etcd's history from growing over the steps
-        for publisher in publishers:
-            await stop_node(publisher)
+        if compact:
+            for client, revision in zip(nodes[0].clients, targets):
+                await client.compact(revision)
+        for node in nodes:
+            await node.stop()
     finally:
         mirror.kill()
         mirror.wait(10)
@@ -199,8 +201,8 @@ def try_step(endpoint: str, setting: Setting, gpus: int, seconds: float, tries: 
     """Offer `gpus` GPUs' churn up to `tries` times, until sustained: the machine's other load only
     ever lowers what a step sustains, so one pass is proof and a failure is only one after `tries`."""
     for _ in range(tries):
-        step = asyncio.run(offer(endpoint, f"churn{setting.run_blocks}x{gpus}x{time.monotonic_ns()}", setting, gpus,
-                                 seconds))  # fmt: skip
+        step = asyncio.run(offer([endpoint], f"churn{setting.run_blocks}x{gpus}x{time.monotonic_ns()}", setting, gpus,
+                                 seconds, compact=True))  # fmt: skip
         print(f"  churn {setting.name}: {gpus} GPUs -> {step.stores_s:,.0f} stores/s, "
               f"{step.offered_ops_s:,.0f} block ops/s, etcd "
               f"{step.etcd_ops_s:,.0f} ops/s, lag p50 {step.p50_ms:.1f} p99 {step.p99_ms:.1f} ms, "

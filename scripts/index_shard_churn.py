@@ -19,112 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import os
-import subprocess
 import sys
 import time
 
-import numpy as np
-from index_churn import BEFORE, BLOCK_TOKENS, GPU_OPS_PER_S, NUM_NODES, Setting, Step, _churn, after
+from index_churn import BEFORE, GPU_OPS_PER_S, Setting, Step, after, offer
 
 from prefixpool.deploy.etcd_server import EtcdServer
-from prefixpool.meta.etcd_client import EtcdClient
-from prefixpool.meta.layout import Layout
-from prefixpool.meta.membership import MembershipConfig, NodeRecord
-from prefixpool.meta.publisher import PublisherConfig
 from prefixpool.meta.index import BlockIndex
 from prefixpool.meta.sharded_mirror import ShardedIndex
-from prefixpool.meta.shards import node_index, split
+from prefixpool.meta.shards import split
 from prefixpool.store.tier_names import DEVICE
-
-MIRROR_PROCESS = """
-import asyncio, json, sys, time
-from prefixpool.meta.etcd_client import EtcdClient
-from prefixpool.meta.layout import Layout
-from prefixpool.meta.mirror import MirrorConfig
-from prefixpool.meta.sharded_mirror import index_mirror
-async def main(endpoints, ns, run_blocks):
-    clients = [EtcdClient(e) for e in endpoints.split(";")]
-    mirror = index_mirror(clients, Layout(ns), MirrorConfig(run_blocks=run_blocks))
-    shards, seen = getattr(mirror, "shards", [mirror]), {}
-    for shard in shards:
-        def timed(batch, apply=shard._apply):
-            apply(batch)
-            now = time.monotonic()
-            for event in batch.events:
-                if event.is_put:
-                    seen.setdefault(event.key, now)
-        shard._apply = timed
-    await mirror.start()
-    while not all(s.revision for s in shards):
-        await asyncio.sleep(0.01)
-    print("ready", flush=True)
-    targets = json.loads(await asyncio.to_thread(sys.stdin.readline))
-    try:
-        await mirror.wait_revision(targets if len(shards) > 1 else targets[0], 60)
-    except TimeoutError:
-        pass
-    print(json.dumps({k.decode(): t for k, t in seen.items()}), flush=True)
-    await mirror.stop()
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
-"""
-
-
-class Node:
-    """One node's publication over every shard (prefixpool.meta.shards.node_index)."""
-
-    def __init__(self, endpoints: list[str], ns: str, node_id: str, setting: Setting) -> None:
-        self.clients = [EtcdClient(e, max_txn_ops=setting.max_txn_ops) for e in endpoints]
-        record = NodeRecord(node_id, "http://127.0.0.1:0", "tcp://127.0.0.1:0", BLOCK_TOKENS, 1 << 20, "bench")
-        config = PublisherConfig(max_pending=1 << 22, window_s=setting.window_s, run_blocks=setting.run_blocks)
-        self.membership, self.publisher = node_index(self.clients, Layout(ns), record, list,
-                                                     MembershipConfig(ttl_s=30), config)  # fmt: skip
-
-    async def start(self) -> "Node":
-        await self.publisher.start()
-        await self.membership.start()
-        return self
-
-    async def stop(self) -> None:
-        await self.publisher.stop()
-        await self.membership.stop()
-        for client in self.clients:
-            await client.close()
-
-    async def revisions(self) -> list[int]:
-        """Per shard, the revision of everything this node wrote there (blocks flushed, record, revokes)."""
-        flushed = await self.publisher.flush(60)
-        flushed = [flushed] if isinstance(flushed, int) else list(flushed)
-        memberships = getattr(self.membership, "shards", [self.membership])
-        return [max(f, m.revision) for f, m in zip(flushed, memberships)]
-
-
-async def offer(endpoints: list[str], ns: str, setting: Setting, gpus: int, seconds: float) -> Step:
-    """One load step over len(endpoints) shards, lag seen by a mirror process watching all of them."""
-    mirror = subprocess.Popen([sys.executable, "-c", MIRROR_PROCESS, ";".join(endpoints), ns, str(setting.run_blocks)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        assert (await asyncio.wait_for(asyncio.to_thread(mirror.stdout.readline), 30)).strip() == "ready"
-        nodes = [await Node(endpoints, ns, f"n{i}", setting).start() for i in range(NUM_NODES)]
-        publishers = [node.publisher for node in nodes]
-        written_before = sum(p.num_written for p in publishers)
-        published, num_stored, num_evicted, elapsed = await _churn(publishers, gpus, seconds, Layout(ns))
-        targets = np.max([await node.revisions() for node in nodes], axis=0).tolist()
-        written = sum(p.num_written for p in publishers) - written_before
-        mirror.stdin.write(json.dumps(targets) + "\n")
-        mirror.stdin.flush()
-        seen = json.loads(await asyncio.wait_for(asyncio.to_thread(mirror.stdout.readline), 90))
-        for node in nodes:
-            await node.stop()
-    finally:
-        mirror.kill()
-        mirror.wait(10)
-    lags = np.array([seen[k] - t for k, t in published.items() if k in seen]) * 1e3
-    p50, p99 = (np.quantile(lags, [0.5, 0.99]) if len(lags) else (float("inf"),) * 2)
-    return Step(gpus, num_stored / elapsed, (num_stored + num_evicted) / elapsed, written / elapsed, float(p50),
-                float(p99), len(published) - len(lags))
 
 
 def paired_ladder(endpoints: list[str], setting: Setting, gpu_steps: list[int], seconds: float,

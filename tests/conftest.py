@@ -15,6 +15,9 @@ import uuid
 import pytest
 
 from prefixpool.deploy.etcd_server import EtcdServer, find_binary
+from prefixpool.meta.membership import MembershipConfig
+from prefixpool.meta.publisher import PublisherConfig
+from prefixpool.testing.index_node import IndexNode, local_record
 
 
 @pytest.fixture(scope="session")
@@ -59,42 +62,13 @@ def etcdctl_get_prefix(server: EtcdServer, prefix: str) -> tuple[int, dict[bytes
     return int(answer["header"]["revision"]), kvs
 
 
-class LocalNode:
-    """A node's metadata side in this process: membership + publisher over a set of keys it 'holds'."""
+class LocalNode(IndexNode):
+    """A node's metadata side in this process: membership + publisher over a set of keys it 'holds'
+    (prefixpool/testing/index_node.py over one etcd: .held, .client, store(), evict())."""
 
     def __init__(self, endpoint: str, ns: str, node_id: str, ttl_s: int = 10, max_pending: int = 65_536) -> None:
-        from prefixpool.meta.etcd_client import EtcdClient
-        from prefixpool.meta.layout import Layout
-        from prefixpool.meta.membership import Membership, MembershipConfig, NodeRecord
-        from prefixpool.meta.publisher import Publisher, PublisherConfig
-
-        self.held: dict[bytes, str] = {}
-        self.client = EtcdClient(endpoint, timeout_s=2.0)
-        record = NodeRecord(node_id, f"http://127.0.0.1/{node_id}", f"tcp://127.0.0.1/{node_id}", 16, 64, "tiny")
-        config = MembershipConfig(ttl_s=ttl_s, retry_s=0.1)
-        self.membership = Membership(self.client, Layout(ns), record, config)
-        self.publisher = Publisher(self.client, self.membership, lambda: list(self.held.items()),
-                                   PublisherConfig(max_pending=max_pending, retry_s=0.1))  # fmt: skip
-
-    async def start(self) -> "LocalNode":
-        await self.publisher.start()
-        await self.membership.start()
-        return self
-
-    async def stop(self) -> None:
-        await self.publisher.stop()
-        await self.membership.stop()
-        await self.client.close()
-
-    def store(self, keys, tier: str = "device") -> None:
-        for key in keys:
-            self.held[key] = tier
-        self.publisher.publish(stored=keys, tier=tier)
-
-    def evict(self, keys) -> None:
-        for key in keys:
-            self.held.pop(key, None)
-        self.publisher.publish(removed=keys)
+        super().__init__(endpoint, ns, local_record(node_id), MembershipConfig(ttl_s=ttl_s, retry_s=0.1),
+                         PublisherConfig(max_pending=max_pending, retry_s=0.1), timeout_s=2.0)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -26,53 +26,30 @@ from prefixpool.deploy.launcher import LocalCluster
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.index import BlockIndex
 from prefixpool.meta.layout import Layout
-from prefixpool.meta.membership import MembershipConfig, NodeRecord
+from prefixpool.meta.membership import MembershipConfig
 from prefixpool.meta.mirror import MirrorConfig
 from prefixpool.meta.publisher import PublisherConfig
 from prefixpool.meta.sharded_mirror import ShardedMirror
-from prefixpool.meta.shards import ShardedMembership, ShardedPublisher, node_index, shard_of
+from prefixpool.meta.shards import ShardedMembership, ShardedPublisher, shard_of
 from prefixpool.store.keys import Namespace, chain_ids
 from prefixpool.store.tier_names import DEVICE
+from prefixpool.testing.index_node import IndexNode, local_record
 from tests.cluster.test_e2e import SHARED, WORKER_ARGS, _wait_for_workers, complete, post
 from tests.conftest import etcdctl_get_prefix
+from tests.support.waiting import until
 
 NAMESPACE = Namespace("index-shards", block_size=4)
 KEYS = chain_ids(range(40), NAMESPACE)
 HANG_GUARD_S = 60.0
 
 
-class ShardedNode:
+class ShardedNode(IndexNode):
     """A node's metadata side over every shard: membership + publisher over keys it 'holds'."""
 
     def __init__(self, servers, ns: str, node_id: str) -> None:
-        self.node_id, self.held = node_id, {}
-        self.clients = [EtcdClient(server.endpoint, timeout_s=2.0) for server in servers]
-        record = NodeRecord(node_id, f"http://127.0.0.1/{node_id}", f"tcp://127.0.0.1/{node_id}", 4, 64, "tiny")
-        self.membership, self.publisher = node_index(self.clients, Layout(ns), record,
-                                                     lambda: list(self.held.items()),
-                                                     MembershipConfig(ttl_s=10, retry_s=0.1),
-                                                     PublisherConfig(retry_s=0.1))  # fmt: skip
+        super().__init__([server.endpoint for server in servers], ns, local_record(node_id, block_size=4),
+                         MembershipConfig(ttl_s=10, retry_s=0.1), PublisherConfig(retry_s=0.1), timeout_s=2.0)
         assert isinstance(self.membership, ShardedMembership) and isinstance(self.publisher, ShardedPublisher)
-
-    async def start(self) -> "ShardedNode":
-        await self.publisher.start()
-        await self.membership.start()
-        return self
-
-    async def stop(self) -> None:
-        await self.publisher.stop()
-        await self.membership.stop()
-        for client in self.clients:
-            await client.close()
-
-    def store(self, keys) -> None:
-        self.held.update((key, DEVICE) for key in keys)
-        self.publisher.publish(stored=keys)
-
-    def evict(self, keys) -> None:
-        for key in keys:
-            self.held.pop(key, None)
-        self.publisher.publish(removed=keys)
 
 
 def in_shard(server, ns: str) -> tuple[set[tuple[bytes, str]], set[str]]:
@@ -100,15 +77,6 @@ def restart_wiped(server, attempts: int = 3) -> None:
         except EtcdServerError:
             if attempt == attempts - 1:
                 raise
-
-
-async def until(condition, what: str) -> None:
-    try:
-        async with asyncio.timeout(HANG_GUARD_S):
-            while not await asyncio.to_thread(condition):
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        raise AssertionError(f"never: {what}") from None
 
 
 def test_two_shards_split_answer_lose_one_resync_and_leave(etcd_shards, ns):

@@ -22,6 +22,7 @@ from prefixpool.store.keys import Namespace, chain_ids
 from prefixpool.store.tier_names import DEVICE, DISK
 from tests.conftest import etcdctl_get_prefix
 from tests.support.blocks import commit_random
+from tests.support.waiting import until
 
 NAMESPACE = Namespace("node-core", block_size=4)
 KEYS = chain_ids(range(8), NAMESPACE)
@@ -38,15 +39,6 @@ def blocks_in_etcd(etcd, ns: str, node_id: str) -> dict[bytes, str]:
     _, kvs = etcdctl_get_prefix(etcd, f"/prefixpool/{ns}/blocks/")
     suffix = f"/{node_id}".encode()
     return {bytes.fromhex(k.rsplit(b"/", 2)[-2].decode()): v.decode() for k, v in kvs.items() if k.endswith(suffix)}
-
-
-async def until(condition, what: str) -> None:
-    try:
-        async with asyncio.timeout(HANG_GUARD_S):
-            while not await asyncio.to_thread(condition):
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        raise AssertionError(f"never: {what}") from None
 
 
 def test_two_cores_register_fetch_collect_and_leave(etcd, ns, tmp_path):
