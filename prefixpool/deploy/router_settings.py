@@ -33,8 +33,8 @@ class RouterSettings(CommonSettings):
     pd_interference_weight: float = setting(1.0, "prefill/decode fleets: seconds of stalled decoding priced per "
                                             "second of prompt compute on a decoding node, per request it decodes "
                                             "(higher disaggregates shorter prompts)")
-    pd_handoff_setup_s: float = setting(0.005, "prefill/decode fleets: fixed cost of a handoff (a second request, "
-                                        "the decode node's first poll)")
+    pd_handoff_setup_s: float = setting(0.005, "prefill/decode fleets: a handoff's cost beyond its priced terms "
+                                        "until handoffs are seen; the router then learns it per pair kind")
     pd_handoff_wait_s: float = setting(5.0, "a decode node computes the rest itself once the prefill node's blocks "
                                        "stop coming for this long (plus twice the predicted prefill)")
     processes: int = setting(1, "router processes serving one port (SO_REUSEPORT), each with its own etcd mirror")

@@ -9,8 +9,12 @@ the plain policy. Two kinds of candidate, priced with the same CostModel:
     disaggregated p -> d (p a prefill node, d a decode node, both able to move blocks)
         ttft  = max(queue(p) + prefill(p) + exposed transfer, queue(d)) + tail(d) + handoff setup
                 exposed transfer = max(transfer of one block, transfer(moved) - prefill(p)):
-                p publishes each block as it commits it and d fetches it then, so the transfer
-                overlaps p's prefill and only what outlasts it is waited for
+                our workers: p publishes each block as it commits it and d fetches it then, so the
+                transfer overlaps p's prefill and only what outlasts it is waited for;
+                a vLLM pair (both nodes of kind "vllm"): sequential, exposed transfer = transfer(moved):
+                p's request runs to completion, then d's is sent and loads every block first
+                handoff setup = what the router has seen handoffs of that kind cost beyond their
+                priced terms (HandoffCosts: the configured --pd-handoff-setup-s until it has samples)
                 tail(d) = prefill of the prompt's last, partial block (never a block of its own) on d
         cost  = ttft + interference(d)
 
@@ -31,15 +35,22 @@ O(prefill nodes x decode nodes). Knows nothing of HTTP, etcd or the engine; the 
                                    node when disaggregated): a Plan, as every policy returns
     plan.prefill                   None (served in place) or the prefill node's own Plan
     plan.explain()                 the Plan's fields + "prefill", "decode", "disaggregation"
+
+    handoffs = HandoffCosts(configured_s)      one per router; conduct(..., kinds=, handoffs=) prices with it
+    handoffs.observe(kind, seconds)            a completed handoff's cost beyond its priced terms
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, fields
 from typing import Mapping, NamedTuple
 
 from prefixpool.router.cost_model import CostModel
+from prefixpool.router.fleet import OWN_KIND
 from prefixpool.router.policy import NodeLoad, Plan, RouteRequest, Shared, Terms, plan_of, terms_for
+from prefixpool.router.vllm_pair import VLLM_KIND
 
 PREFILL, DECODE, BOTH = "prefill", "decode", "both"
 ROLES = (PREFILL, DECODE, BOTH)
@@ -54,6 +65,39 @@ class ConductorConfig:
     def __post_init__(self) -> None:
         if self.interference_weight < 0 or self.handoff_setup_s < 0:
             raise ValueError("conductor weights must be >= 0")
+
+
+class HandoffCosts:
+    """The handoff setup the router has seen, per pair kind (OWN_KIND: our workers, VLLM_KIND: a vLLM pair).
+
+    A sample is what one completed handoff cost beyond its priced terms: for our workers the decode node's
+    reported wait (Usage.handoff_s) less the predicted queue + prefill + exposed transfer; for a vLLM pair
+    the prefill request's round trip measured in the router less the predicted queue + prefill (any error
+    in the prefill price lands here too). The estimate is the median of the configured value and the last
+    `window` samples: one sample moves it halfway, a few fault-stalled handoffs among many do not move it.
+    """
+
+    def __init__(self, configured_s: float, window: int = 16) -> None:
+        self.configured_s = configured_s
+        self._samples: dict[str, deque[float]] = {}
+        self._window = window
+
+    def observe(self, kind: str, seconds: float) -> None:
+        self._samples.setdefault(kind, deque(maxlen=self._window)).append(max(0.0, seconds))
+
+    def setup_s(self, kind: str) -> float:
+        samples = self._samples.get(kind)
+        return statistics.median((self.configured_s, *samples)) if samples else self.configured_s
+
+    def explain(self) -> dict:
+        return {"configured_setup_s": self.configured_s,
+                "learned": {kind: {"setup_s": self.setup_s(kind), "samples": len(samples), "last_s": samples[-1]}
+                            for kind, samples in sorted(self._samples.items())}}
+
+
+def pair_kind(prefill_kind: str | None, decode_kind: str | None) -> str:
+    """The kind of handoff between two nodes: a vLLM pair's (sequential) or our workers' (overlapped)."""
+    return VLLM_KIND if prefill_kind == VLLM_KIND and decode_kind == VLLM_KIND else OWN_KIND
 
 
 class PDTerms(NamedTuple):
@@ -72,6 +116,8 @@ class PDTerms(NamedTuple):
     setup_s: float = 0.0
     interference_s: float = 0.0  # priced, not waited: decode steps stalled by compute on a decoding node
     lost_reuse_s: float = 0.0  # priced, not waited: a held prefix recomputed (the policy's Terms.lost_reuse_s)
+    handoff_kind: str = ""  # disaggregated: the pair's kind (pair_kind), whose setup_s was priced
+    sequential: bool = False  # a vLLM pair: the whole transfer is waited, after the prefill
 
     @property
     def ttft_s(self) -> float:
@@ -91,6 +137,7 @@ class PDPlan(Plan):
     terms: PDTerms | None = None
     alternatives: tuple[PDTerms, ...] = ()  # with explain: the best candidate of each kind
     reason: str = ""
+    handoff: dict | None = None  # with explain: HandoffCosts.explain() (None: configured setup only)
 
     @property
     def decode(self) -> str:
@@ -103,7 +150,7 @@ class PDPlan(Plan):
                 "decode": {"node": self.worker, **_leg(self), "moved_blocks": terms.moved_blocks if terms else 0},
                 "disaggregation": {
                     "mode": terms.mode if terms else IN_PLACE, "why": self.reason,
-                    "terms": _terms_dict(terms) if terms else None,
+                    "terms": _terms_dict(terms) if terms else None, "handoff": self.handoff,
                     "alternatives": [_terms_dict(t) for t in self.alternatives]}}
 
 
@@ -124,18 +171,39 @@ def is_disaggregated(roles: Mapping[str, str]) -> bool:
 
 def conduct(request: RouteRequest, matches: dict[str, int], roles: Mapping[str, str], loads: Mapping[str, NodeLoad],
             costs: CostModel, config: ConductorConfig = ConductorConfig(), *,
-            free_blocks: Mapping[str, int | None] | None = None, explain: bool = False) -> PDPlan:
+            free_blocks: Mapping[str, int | None] | None = None, explain: bool = False,
+            kinds: Mapping[str, str] | None = None, handoffs: HandoffCosts | None = None) -> PDPlan:
     """The cheapest way to serve `request` on this fleet (see the module doc). `loads` names the candidates;
     `roles` maps each to "prefill", "decode" or "both" (a node it does not name is "both"); `free_blocks`
-    (node -> free KV blocks, None where unknown) keeps decode nodes that cannot hold the request out."""
+    (node -> free KV blocks, None where unknown) keeps decode nodes that cannot hold the request out;
+    `kinds` (node -> NodeRecord.kind, our workers where unnamed) makes vLLM pairs sequential; `handoffs`
+    prices each pair's setup with what was seen (None: config.handoff_setup_s)."""
     assert loads, "conduct needs at least one candidate"
     shared = Shared(request, matches, costs, allow_fetch=True)
     role = {n: roles.get(n, BOTH) for n in loads}
     in_place = _in_place(request, shared, role, loads, costs, config)
-    split = _disaggregated(request, shared, role, loads, costs, config, free_blocks or {})
+    setup = _Setup(kinds or {}, handoffs, config)
+    split = _disaggregated(request, shared, role, loads, costs, config, free_blocks or {}, setup)
     options = [t for t in (in_place, split) if t is not None]
     best = min(options, key=lambda c: (c[0].cost_s, c[0].mode == DISAGGREGATED))
-    return _plan(request, best, options, costs, explain)
+    plan = _plan(request, best, options, costs, explain)
+    if explain and handoffs is not None:
+        plan = _with_handoff(plan, handoffs.explain())
+    return plan
+
+
+class _Setup(NamedTuple):
+    kinds: Mapping[str, str]
+    handoffs: HandoffCosts | None
+    config: ConductorConfig
+
+    def of(self, prefill: str, decode: str) -> tuple[str, float]:
+        kind = pair_kind(self.kinds.get(prefill), self.kinds.get(decode))
+        return kind, self.config.handoff_setup_s if self.handoffs is None else self.handoffs.setup_s(kind)
+
+
+def _with_handoff(plan: PDPlan, handoff: dict) -> PDPlan:
+    return PDPlan(**{f.name: getattr(plan, f.name) for f in fields(PDPlan) if f.name != "handoff"}, handoff=handoff)
 
 
 Candidate = tuple[PDTerms, Terms | None, Terms | None]  # (PD terms, the in-place node's Terms, the prefill node's)
@@ -158,7 +226,8 @@ def _in_place(request: RouteRequest, shared: Shared, role: Mapping[str, str], lo
 
 
 def _disaggregated(request: RouteRequest, shared: Shared, role: Mapping[str, str], loads: Mapping[str, NodeLoad],
-                   costs: CostModel, config: ConductorConfig, free: Mapping[str, int | None]) -> Candidate | None:
+                   costs: CostModel, config: ConductorConfig, free: Mapping[str, int | None],
+                   setup: _Setup) -> Candidate | None:
     movable = request.transfer_nodes
     can_move = [n for n in sorted(loads) if movable is None or n in movable]
     prefills = [n for n in can_move if role[n] == PREFILL]
@@ -170,23 +239,25 @@ def _disaggregated(request: RouteRequest, shared: Shared, role: Mapping[str, str
     best: Candidate | None = None
     for p_terms in (terms_for(p, loads[p], shared) for p in prefills):
         for node in roomy:
-            pd = _pair(request, shared, p_terms, node, loads[node], costs, config)
+            pd = _pair(request, shared, p_terms, node, loads[node], costs, config, *setup.of(p_terms.worker, node))
             if best is None or (pd.cost_s, pd.moved_blocks) < (best[0].cost_s, best[0].moved_blocks):
                 best = (pd, None, p_terms)
     return best
 
 
 def _pair(request: RouteRequest, shared: Shared, p_terms: Terms, node: str, load: NodeLoad, costs: CostModel,
-          config: ConductorConfig) -> PDTerms:
+          config: ConductorConfig, kind: str = OWN_KIND, setup_s: float | None = None) -> PDTerms:
     """Prefill on p_terms.worker (its own peer fetch included), hand off to decode node `node`."""
     prefill_s = p_terms.prefill_s + p_terms.tier_read_s + p_terms.transfer_s
     moved = request.num_blocks - min(shared.matches.get(node, 0), request.num_blocks)
     transfer = costs.transfer_s(moved)
-    exposed = max(costs.transfer_s(min(1, moved)), transfer - prefill_s)
+    sequential = kind == VLLM_KIND  # the decode request is sent after the prefill's answer: nothing overlaps
+    exposed = transfer if sequential else max(costs.transfer_s(min(1, moved)), transfer - prefill_s)
     tail = _tail_s(request, costs)
     return PDTerms(DISAGGREGATED, p_terms.worker, node, p_terms.queue_s, prefill_s, transfer, exposed, moved,
-                   costs.queue_s(load.queued_prefill_tokens, load.num_running), tail, config.handoff_setup_s,
-                   _interference(config, tail, load), p_terms.lost_reuse_s)
+                   costs.queue_s(load.queued_prefill_tokens, load.num_running), tail,
+                   config.handoff_setup_s if setup_s is None else setup_s,
+                   _interference(config, tail, load), p_terms.lost_reuse_s, kind, sequential)
 
 
 def _tail_s(request: RouteRequest, costs: CostModel) -> float:

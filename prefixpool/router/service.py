@@ -35,13 +35,13 @@ from prefixpool.router.openai_schema import ChatBody, CompletionBody, RouteBody,
 from prefixpool.router.cost_model import CostModel
 from prefixpool.router.detokenizer import TokenTexts
 from prefixpool.router.policy import NodeLoad, Plan, Policy, RouteRequest, policies, reusable_blocks
-from prefixpool.router.conductor import BOTH, ConductorConfig, conduct, is_disaggregated
+from prefixpool.router.conductor import BOTH, ConductorConfig, HandoffCosts, conduct, is_disaggregated
 from prefixpool.router.prefill_leg import PrefillLeg
 from prefixpool.model.chat_template import ChatTemplateError
 from prefixpool.contract.worker_api import Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Token, Usage
 from prefixpool.router.fleet import OWN_KIND, admit, kind_of, pools_of, serving, transfer_nodes, with_own_pools
 from prefixpool.router.served_models import adapter_for
-from prefixpool.router.vllm_pair import is_vllm_pair, pair_stream
+from prefixpool.router.vllm_pair import VLLM_KIND, is_vllm_pair, pair_stream
 from prefixpool.router.worker_client import WorkerClient, WorkerUnreachable
 from prefixpool.store.keys import TOKEN_DTYPE, BlockKey, Namespace, chain_from
 
@@ -126,6 +126,7 @@ class Router:
         self.inflight = InflightTracker()
         self.rng = rng or random.Random(0)
         self._choose: Policy = available[config.policy]
+        self.handoffs = HandoffCosts(config.conductor.handoff_setup_s)  # learned per pair kind (the conductor's)
         speculative = getattr(self._choose, "speculative", None)  # pressure's entries: published, and others' read
         if speculative is not None:
             self.inflight.routed = speculative.snapshot
@@ -218,7 +219,9 @@ class Router:
                                transfer_nodes(workers, pools), keys)
         roles = {n: getattr(w, "role", BOTH) for n, w in workers.items()}
         if is_disaggregated(roles):  # prefill and decode nodes: the conductor pairs them, or serves in place
-            return conduct(request, matches, roles, loads, self.costs, self.config.conductor, explain=explain), matches
+            kinds = {n: kind_of(w) for n, w in workers.items()}
+            return conduct(request, matches, roles, loads, self.costs, self.config.conductor, explain=explain,
+                           kinds=kinds, handoffs=self.handoffs), matches
         return self._choose(request, matches, loads, self.costs, self.rng, explain=explain), matches
 
     def _lower_tiers(self, keys: list[BlockKey], matches: dict[str, int]) -> dict[str, dict[str, int]]:
@@ -299,6 +302,7 @@ class Router:
                             self._observe(prepared, plan, event.usage, max(matches.values(), default=0))
                             if leg is not None:
                                 self.metrics.observe_handoff(event.usage.fetched_bytes, event.usage.handoff_s)
+                                self._learn_handoff(plan, event.usage)
                         yield event
                 return
             except WorkerUnreachable as err:
@@ -324,8 +328,23 @@ class Router:
         node = self.live_workers().get(prefill.worker) if prefill is not None else None
         if node is not None and is_vllm_pair(kind_of(node), kind_of(worker)):
             self.metrics.handoffs.inc()  # the bytes and wait are the connectors' (their logs, vLLM's counters)
-            return pair_stream(client, node.http_url, worker.http_url, request)
+            return pair_stream(client, node.http_url, worker.http_url, request,
+                               functools.partial(self._learn_vllm_handoff, plan))
         return client.generate(worker.http_url, request)
+
+    def _learn_handoff(self, plan: Plan, usage: Usage) -> None:
+        """Our workers' completed handoff (every planned block received): its wait beyond the priced terms."""
+        terms = getattr(plan, "terms", None)
+        planned = (plan.fetch_end - plan.fetch_start) * self.config.namespace.block_size
+        if terms is None or usage.handoff_s <= 0 or usage.fetched_tokens < planned:
+            return  # a handoff that failed or stalled (the decode node computed the rest): a fault, not its cost
+        self.handoffs.observe(OWN_KIND, usage.handoff_s - (terms.queue_s + terms.prefill_s + terms.exposed_transfer_s))
+
+    def _learn_vllm_handoff(self, plan: Plan, round_trip_s: float) -> None:
+        """A vLLM pair's prefill answered: its round trip beyond the predicted queue + prefill."""
+        terms = getattr(plan, "terms", None)
+        if terms is not None:
+            self.handoffs.observe(VLLM_KIND, round_trip_s - (terms.queue_s + terms.prefill_s))
 
     def _observe(self, prepared: Prepared, plan: Plan, u: Usage, held_blocks: int) -> None:
         """`held_blocks`: the longest prefix of this prompt any candidate held when it was routed."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from prefixpool.contract.worker_api import Event, GenerateRequest
 
@@ -38,13 +38,16 @@ def is_vllm_pair(prefill_kind: str | None, decode_kind: str) -> bool:
     return prefill_kind == VLLM_KIND and decode_kind == VLLM_KIND
 
 
-async def pair_stream(client: PairClient, prefill_url: str, decode_url: str,
-                      request: GenerateRequest) -> AsyncIterator[Event]:
-    """D's events for `request`, after P computed its prompt (see the module doc)."""
+async def pair_stream(client: PairClient, prefill_url: str, decode_url: str, request: GenerateRequest,
+                      on_prefilled: Callable[[float], None] | None = None) -> AsyncIterator[Event]:
+    """D's events for `request`, after P computed its prompt (see the module doc). `on_prefilled` gets the
+    prefill request's round trip in seconds when P answered where its blocks are (the router learns from it)."""
     start = time.perf_counter()
     params = await client.prefill(prefill_url, request)
-    log.info("prefill on %s for %s: %.3fs, handoff %s", prefill_url, request.request_id,
-             time.perf_counter() - start, params)
+    round_trip = time.perf_counter() - start
+    log.info("prefill on %s for %s: %.3fs, handoff %s", prefill_url, request.request_id, round_trip, params)
+    if params is not None and on_prefilled is not None:
+        on_prefilled(round_trip)
     async with contextlib.aclosing(client.generate(decode_url, request, params)) as stream:
         async for event in stream:
             yield event
