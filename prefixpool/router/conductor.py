@@ -71,7 +71,8 @@ class HandoffCosts:
     """The handoff setup the router has seen, per pair kind (OWN_KIND: our workers, VLLM_KIND: a vLLM pair).
 
     A sample is what one completed handoff cost beyond its priced terms: for our workers the decode node's
-    reported wait (Usage.handoff_s) less the predicted queue + prefill + exposed transfer; for a vLLM pair
+    reported wait (Usage.handoff_s) less the prefill node's own measured queue + prefill (its Usage.ttft_s)
+    and the priced exposed transfer; for a vLLM pair
     the prefill request's round trip measured in the router less the predicted queue + prefill (any error
     in the prefill price lands here too). The estimate is the median of the configured value and the last
     `window` samples: one sample moves it halfway, a few fault-stalled handoffs among many do not move it.

@@ -18,7 +18,7 @@ import contextlib
 import logging
 from typing import AsyncIterator, Callable, Protocol
 
-from prefixpool.contract.worker_api import Event, Failed, GenerateRequest
+from prefixpool.contract.worker_api import Done, Event, Failed, GenerateRequest
 from prefixpool.router.worker_client import WorkerUnreachable
 
 log = logging.getLogger(__name__)
@@ -46,18 +46,30 @@ class PrefillLeg:
         await asyncio.gather(self.task, return_exceptions=True)
         return ended
 
+    @property
+    def ttft_s(self) -> float | None:
+        """The prefill node's own time to its one token (its queue and the prompt's compute), once it finished
+        the prompt; None while running, cancelled or failed."""
+        if not self.task.done() or self.task.cancelled() or self.task.exception() is not None:
+            return None
+        return self.task.result()
 
-async def _run(client: GeneratesEvents, url: str, request: GenerateRequest, on_end: Callable[[], None]) -> bool:
-    """Whether the prefill node finished the prompt."""
+
+async def _run(client: GeneratesEvents, url: str, request: GenerateRequest,
+               on_end: Callable[[], None]) -> float | None:
+    """The prefill node's Usage.ttft_s when it finished the prompt; None when it did not."""
+    ttft_s = None
     try:
         async with contextlib.aclosing(client.generate(url, request)) as events:
             async for event in events:
                 if isinstance(event, Failed):
                     log.warning("prefill %s on %s failed: %s", request.request_id, url, event.message)
-                    return False
-        return True
+                    return None
+                if isinstance(event, Done):
+                    ttft_s = event.usage.ttft_s
+        return ttft_s
     except WorkerUnreachable as err:
         log.warning("prefill %s on %s broke off: %s; the decode node computes the rest", request.request_id, url, err)
-        return False
+        return None
     finally:
         on_end()

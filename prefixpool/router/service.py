@@ -283,6 +283,7 @@ class Router:
             ticket = self.inflight.begin(plan.worker, plan.prefill_tokens)
             streamed = False
             leg = self._start_prefill(prepared, plan, worker, emitted)
+            handed: Usage | None = None  # the decode node's usage after a handoff of our workers
             try:
                 client = self.kind_clients.get(kind_of(worker), self.client)
                 stream = self._stream(client, worker, plan, self._worker_request(prepared, plan, emitted))
@@ -302,7 +303,7 @@ class Router:
                             self._observe(prepared, plan, event.usage, max(matches.values(), default=0))
                             if leg is not None:
                                 self.metrics.observe_handoff(event.usage.fetched_bytes, event.usage.handoff_s)
-                                self._learn_handoff(plan, event.usage)
+                                handed = event.usage
                         yield event
                 return
             except WorkerUnreachable as err:
@@ -316,6 +317,8 @@ class Router:
                 self.inflight.end(ticket)
                 if leg is not None:
                     await leg.close()  # a prefill node never keeps a finished request's blocks
+                    if handed is not None:
+                        self._learn_handoff(plan, handed, leg.ttft_s)
         if refused is not None:
             yield refused
             return
@@ -332,13 +335,15 @@ class Router:
                                functools.partial(self._learn_vllm_handoff, plan))
         return client.generate(worker.http_url, request)
 
-    def _learn_handoff(self, plan: Plan, usage: Usage) -> None:
-        """Our workers' completed handoff (every planned block received): its wait beyond the priced terms."""
+    def _learn_handoff(self, plan: Plan, usage: Usage, prefill_ttft_s: float | None) -> None:
+        """Our workers' completed handoff (every planned block received, the prefill node's own time known):
+        the decode node's wait beyond the prefill node's queue + compute (measured there) and the priced exposed
+        transfer. Measured, not predicted, prefill: a mispriced prompt must not hide (or inflate) the setup."""
         terms = getattr(plan, "terms", None)
         planned = (plan.fetch_end - plan.fetch_start) * self.config.namespace.block_size
-        if terms is None or usage.handoff_s <= 0 or usage.fetched_tokens < planned:
+        if terms is None or prefill_ttft_s is None or usage.handoff_s <= 0 or usage.fetched_tokens < planned:
             return  # a handoff that failed or stalled (the decode node computed the rest): a fault, not its cost
-        self.handoffs.observe(OWN_KIND, usage.handoff_s - (terms.queue_s + terms.prefill_s + terms.exposed_transfer_s))
+        self.handoffs.observe(OWN_KIND, usage.handoff_s - prefill_ttft_s - terms.exposed_transfer_s)
 
     def _learn_vllm_handoff(self, plan: Plan, round_trip_s: float) -> None:
         """A vLLM pair's prefill answered: its round trip beyond the predicted queue + prefill."""

@@ -148,16 +148,18 @@ def test_the_router_learns_from_complete_handoffs_and_route_shows_the_learned_va
     plan, _ = router.decide(prepared)
     assert plan.prefill is not None and plan.prefill.worker == "p"
     blocks = plan.fetch_end - plan.fetch_start
-    ready = plan.terms.queue_s + plan.terms.prefill_s + plan.terms.exposed_transfer_s
+    measured_prefill = 0.01  # the prefill node's own ttft_s: the price (plan.terms.prefill_s) plays no part
+    ready = measured_prefill + plan.terms.exposed_transfer_s
 
     def usage(fetched_blocks: int, handoff_s: float) -> Usage:
         return Usage(prompt_tokens=1000, completion_tokens=1, local_hit_tokens=0, fetched_tokens=fetched_blocks * 16,
                      computed_tokens=1000 - fetched_blocks * 16, fetched_bytes=0, ttft_s=0.0, handoff_s=handoff_s)
 
-    router._learn_handoff(plan, usage(blocks - 1, ready + 9.0))  # incomplete (a stall): not the handoff's cost
+    router._learn_handoff(plan, usage(blocks - 1, ready + 9.0), measured_prefill)  # incomplete: a fault
+    router._learn_handoff(plan, usage(blocks, ready + 9.0), None)  # the prefill node did not finish: unknown
     assert router.handoffs.setup_s(OWN_KIND) == 0.005
     for _ in range(3):
-        router._learn_handoff(plan, usage(blocks, ready + 0.5))
+        router._learn_handoff(plan, usage(blocks, ready + 0.5), measured_prefill)
     assert router.handoffs.setup_s(OWN_KIND) == pytest.approx(0.5)
     shown = router.explain(prepared)["disaggregation"]
     assert shown["handoff"]["learned"][OWN_KIND]["setup_s"] == pytest.approx(0.5)
