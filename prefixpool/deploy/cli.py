@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from prefixpool.deploy.settings import SettingsError
+
 # name -> (module defining add_arguments and run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "version": ("prefixpool.deploy.version", "print the version and the hash scheme"),
@@ -47,8 +49,12 @@ def selected_command(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(selected_command(argv)).parse_args(argv)
-    return int(args.run(args) or 0)
+    parser = build_parser(selected_command(argv))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except SettingsError as error:  # contradicting flags/env: one line, as argparse reports a bad flag
+        parser.exit(2, f"prefixpool {args.command}: error: {error}\n")
 
 
 if __name__ == "__main__":

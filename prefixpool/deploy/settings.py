@@ -58,8 +58,12 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         )
 
 
+class SettingsError(ValueError):
+    """Settings that contradict each other or are out of range: the CLI prints the message alone, no traceback."""
+
+
 def from_args(cls: type[S], args: argparse.Namespace, environ: dict[str, str] | None = None) -> S:
-    """Build `cls` from parsed flags, then the environment, then the defaults."""
+    """Build `cls` from parsed flags, then the environment, then the defaults (SettingsError if they don't fit)."""
     environ = os.environ if environ is None else environ
     hints = get_type_hints(cls)
     values = {}
@@ -69,7 +73,10 @@ def from_args(cls: type[S], args: argparse.Namespace, environ: dict[str, str] | 
             values[field.name] = flag_value
         elif env_name(field.name) in environ:
             values[field.name] = _parser_for(hints[field.name])(environ[env_name(field.name)])
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as error:
+        raise SettingsError(str(error)) from error
 
 
 def setting(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse

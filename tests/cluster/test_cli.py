@@ -42,6 +42,13 @@ def test_a_subcommand_gets_its_own_flags():
     assert "--num-blocks" in done.stdout
 
 
+def test_contradicting_settings_stop_with_one_line_not_a_traceback():
+    done = run_cli("worker", "--etcd-endpoints", "127.0.0.1:1", "--etcd-shards", "127.0.0.1:2;127.0.0.1:3")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "prefixpool worker: error: --etcd-endpoints 127.0.0.1:1 is not shard 0 of --etcd-shards" in done.stderr
+
+
 def test_the_selected_command_is_the_first_command_word():
     assert selected_command(["--verbose", "router", "--port", "9"]) == "router"
     assert selected_command(["--help"]) is None
