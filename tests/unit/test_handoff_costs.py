@@ -5,7 +5,6 @@ import asyncio
 import pytest
 
 from prefixpool.contract.worker_api import Done, GenerateRequest, SamplingParams, Usage
-from prefixpool.meta.index import BlockIndex
 from prefixpool.model.tokenizer import ByteTokenizer
 from prefixpool.router.conductor import DISAGGREGATED, IN_PLACE, ConductorConfig, HandoffCosts, conduct
 from prefixpool.router.cost_model import CostModel
@@ -16,6 +15,7 @@ from prefixpool.router.service import Router, RouterConfig
 from prefixpool.router.vllm_pair import VLLM_KIND, pair_stream
 from prefixpool.router.worker_client import WorkerClient
 from prefixpool.store.keys import Namespace
+from tests.support.index_view import IndexView
 
 COSTS = CostModel(block_size=16, block_bytes=16 * 1024, prefill_tokens_per_s=10_000.0, link_bytes_per_s=1e9)
 ROLES = {"p": "prefill", "d": "decode"}
@@ -107,37 +107,12 @@ class _Worker:
         self.num_queued = self.num_running = 0
 
 
-class _View:
+class _View(IndexView):
     def __init__(self) -> None:
-        self.index = BlockIndex()
-        self.nodes = {"p": _Worker("p", "prefill"), "d": _Worker("d", "decode")}
-
-    def workers(self):
-        return self.nodes
-
-    def longest_prefix(self, keys):
-        return self.index.longest_prefix(keys)
-
-    def lower_tiers(self, node_id, keys):
-        return {}
-
-    def fleet_share(self, worker, exclude):
-        return 0, 0
+        super().__init__({"p": _Worker("p", "prefill"), "d": _Worker("d", "decode")})
 
     def held_blocks(self, node_id):
         return 0
-
-    def fleet_routed(self, keys, exclude):
-        return {}
-
-    def report_revision(self, node_id):
-        return 0
-
-    def num_keys(self):
-        return len(self.index)
-
-    def lag_s(self):
-        return 0.0
 
 
 def test_the_router_learns_from_complete_handoffs_and_route_shows_the_learned_value():

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from prefixpool.meta.fleet_load import FleetLoad, RouterLoad, decode_load, encode_load
-from prefixpool.meta.index import BlockIndex
 from prefixpool.model.tokenizer import ByteTokenizer
 from prefixpool.router.cost_model import CostModel
 from prefixpool.router.openai_schema import CompletionBody
@@ -22,6 +21,7 @@ from prefixpool.router.service import Router, RouterConfig
 from prefixpool.router.speculative import SpeculativeBlocks
 from prefixpool.router.worker_client import WorkerClient
 from prefixpool.store.keys import Namespace, chain_from
+from tests.support.index_view import IndexView
 
 COSTS = CostModel(block_size=32, prefill_tokens_per_s=2000.0, lost_reuse_weight=2.0)
 ROOT = Namespace("pressure-test", block_size=32).root()
@@ -183,40 +183,11 @@ class _Worker:
         self.num_blocks, self.kind = num_blocks, "vllm"  # vLLM nodes: no block transfers
 
 
-class _View:
+class _View(IndexView):
     """Two vLLM-like nodes of 64 blocks over a real BlockIndex, no other router."""
 
     def __init__(self) -> None:
-        self.index = BlockIndex()
-        self.nodes = {n: _Worker(n, 64) for n in ("a", "b")}
-        self.fleet = FleetLoad()
-
-    def workers(self):
-        return self.nodes
-
-    def longest_prefix(self, keys):
-        return self.index.longest_prefix(keys)
-
-    def lower_tiers(self, node_id, keys):
-        return {}
-
-    def fleet_share(self, worker, exclude):
-        return 0, 0
-
-    def held_blocks(self, node_id):
-        return self.index.num_blocks(node_id)
-
-    def fleet_routed(self, keys, exclude):
-        return self.fleet.routed(keys, exclude)
-
-    def report_revision(self, node_id):
-        return 0
-
-    def num_keys(self):
-        return len(self.index)
-
-    def lag_s(self):
-        return 0.0
+        super().__init__({n: _Worker(n, 64) for n in ("a", "b")})
 
 
 def _router(view: _View) -> Router:

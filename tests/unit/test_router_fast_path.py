@@ -8,13 +8,14 @@ from prefixpool.model.tokenizer import ByteTokenizer
 from prefixpool.contract.worker_api import Usage
 from prefixpool.router import openai_format as fmt
 from prefixpool.router.cost_model import CostModel
-from prefixpool.meta.fleet_load import FleetLoad, RouterLoad, decode_load, encode_load
+from prefixpool.meta.fleet_load import RouterLoad, decode_load, encode_load
 from prefixpool.meta.index import BlockIndex
 from prefixpool.router.inflight import InflightTracker
 from prefixpool.router.openai_schema import CompletionBody
 from prefixpool.router.service import Router, RouterConfig
 from prefixpool.router.worker_client import WorkerClient
 from prefixpool.store.keys import Namespace, chain
+from tests.support.index_view import IndexView
 
 USAGE = Usage(prompt_tokens=5, completion_tokens=2, local_hit_tokens=0, fetched_tokens=0, computed_tokens=5,
               fetched_bytes=0, ttft_s=0.1)
@@ -38,32 +39,10 @@ def test_stream_frames_equal_the_dict_chunks():
         assert _payload(frames.usage(USAGE))["usage"]["total_tokens"] == 7
 
 
-class _View:
+class _View(IndexView):
     def __init__(self, index: BlockIndex) -> None:
-        self.index = index
-        self.fleet = FleetLoad()
-
-    def workers(self):
-        return {"w": type("W", (), {"node_id": "w", "http_url": "", "transfer_url": "", "num_queued": 0,
-                                    "num_running": 0})()}
-
-    def longest_prefix(self, keys):
-        return self.index.longest_prefix(keys)
-
-    def lower_tiers(self, node_id, keys):
-        return self.index.lower_tiers(node_id, keys)
-
-    def fleet_share(self, worker, exclude):
-        return self.fleet.share(worker, exclude)
-
-    def report_revision(self, node_id):
-        return 0
-
-    def num_keys(self):
-        return len(self.index)
-
-    def lag_s(self):
-        return 0.0
+        super().__init__({"w": type("W", (), {"node_id": "w", "http_url": "", "transfer_url": "", "num_queued": 0,
+                                              "num_running": 0})()}, index)
 
 
 def _router(view) -> Router:
