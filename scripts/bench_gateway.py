@@ -39,6 +39,7 @@ from prefixpool.deploy.processes import python_argv, spawn
 from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, VllmConfig
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
+from prefixpool.testing.prometheus import scrape
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL, BLOCK = "tiny-vllm", 32
@@ -89,18 +90,6 @@ SHAPES = {s.name: s for s in (
     Shape("fast", "prefix_repetition", 12, 512, 32, 360, 12.0, 150),
     Shape("random", "random", 1, 512, 32, 240, 6.0, 150),
 )}
-
-
-def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Counters from a Prometheus /metrics page, summed over their labels."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as reply:
-        text = reply.read().decode()
-    totals = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
 
 
 def post(url: str, body: dict | None = None) -> None:

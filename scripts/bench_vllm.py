@@ -47,6 +47,7 @@ from prefixpool.replay.live import LiveConfig, LiveResult, replay_live
 from prefixpool.replay.simulator import hit_rate_bound
 from prefixpool.replay.trace import load_trace
 from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, VllmConfig
+from prefixpool.testing.prometheus import scrape
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,18 +59,6 @@ PLAN_COUNTERS = ("prefixpool_planned_hit_blocks_total", "prefixpool_missed_hit_b
                  "prefixpool_forgone_hit_blocks_total")
 PREEMPTIONS = "vllm:num_preemptions_total"
 INDEX_KEYS = "prefixpool_index_keys"
-
-
-def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Counters from a Prometheus /metrics page, summed over their labels."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as reply:
-        text = reply.read().decode()
-    totals = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
 
 
 def kv_blocks_of(vllm_url: str) -> int:
