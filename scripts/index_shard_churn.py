@@ -29,8 +29,6 @@ from index_churn import BEFORE, GPU_OPS_PER_S, Setting, Step, after, offer
 from prefixpool.deploy.etcd_server import EtcdServer
 from prefixpool.meta.index import BlockIndex
 from prefixpool.meta.sharded_mirror import ShardedIndex
-from prefixpool.meta.shards import split
-from prefixpool.store.tier_names import DEVICE
 
 
 def paired_ladder(endpoints: list[str], setting: Setting, gpu_steps: list[int], seconds: float,
@@ -91,35 +89,14 @@ def _capacity_cell(step: Step | None) -> str:
     return f"{2 * step.stores_s:,.0f} / 3,125 per GPU = {_gpus(step):,.0f} GPUs"
 
 
-class TwoShardIndexes:
-    """What a router's ShardedMirror asks, without etcd: one BlockIndex per shard, read as one."""
-
-    def __init__(self) -> None:
-        self.shards = [BlockIndex(), BlockIndex()]
-        self.view = ShardedIndex(self.shards)
-
-    def add(self, node_id: str, keys, tier: str = DEVICE) -> None:
-        for index, part in zip(self.shards, split(keys, len(self.shards))):
-            index.add(node_id, part, tier)
-
-    def longest_prefix(self, keys):
-        return self.view.longest_prefix(keys)
-
-    def lower_tiers(self, node_id: str, keys):
-        return self.view.lower_tiers(node_id, keys)
-
-    def num_blocks(self, node_id: str) -> int:
-        return sum(index.num_blocks(node_id) for index in self.shards)
-
-
 def lookup_row() -> tuple[str, str, str]:
-    """The router's longest_prefix over one index and over two shards' (bench_index.py's timing)."""
+    """The router's longest_prefix over one index and over two shards' blocks in one (bench_index.py's timing)."""
     from bench_index import prompt_chains, time_longest_prefix
 
     chains = prompt_chains(8000)
-    one, two = (time_longest_prefix(index, chains) for index in (BlockIndex(), TwoShardIndexes()))
+    one, two = (time_longest_prefix(index, chains) for index in (BlockIndex(), ShardedIndex(2)))
     return ("index shards: longest_prefix at 8k tokens over 8 workers, wall (thread CPU) (before: one index, "
-            "after: two shards' indexes, the walk split and merged)", *(f"{wall:.1f} us ({cpu:.1f} us)"
+            "after: two shards' blocks in one shared index)", *(f"{wall:.1f} us ({cpu:.1f} us)"
                                                                          for wall, cpu in (one, two)))
 
 

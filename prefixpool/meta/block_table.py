@@ -1,6 +1,11 @@
 """A flat open-addressing hash table over 64-bit block-key fingerprints, in numpy: slot -> bitmap columns.
 
-    fingerprint(key) = low 8 bytes ^ (high 8 bytes * odd constant), mod 2**64  (0 is "empty": a 0 becomes 1)
+    folded(key)      = low 8 bytes ^ (high 8 bytes * odd constant), mod 2**64
+    fingerprint(key) = key bytes 8..12 << 32 | top half of (folded * golden ratio)   (0 is "empty": a 0 becomes 1)
+
+The fingerprint keeps bytes 8..12 whole (key_words), the word an index shard is picked by
+(prefixpool.meta.shards): one table can hold every shard's blocks and forget one shard's alone.
+Its low half mixes all 16 bytes, so keys differing anywhere still differ in it.
 
     fp       (buckets, 8) uint64      | f f f f . . . . | f f f f f f f f | f f . . . . . . | ...
     fill     (buckets,)   uint8         4                 8 (full)          2
@@ -22,7 +27,7 @@ Knows nothing of nodes, tiers or etcd; what a fingerprint collision means is pre
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -35,6 +40,7 @@ MIN_BUCKETS = 2  # small: the tests rebuild often; a table doubles as it fills
 FOLD = np.uint64(0xC2B2AE3D27D4EB4F)  # odd: folding the high half in keeps hand-made keys apart
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the top bits of fp * GOLDEN pick the bucket
 FEW = 16  # keys left in a lookup below which Python walks on, not numpy
+WORD_BITS = np.uint64(32)  # a fingerprint's top half is a word of its key
 ABSENT = -1  # find()'s slot for a fingerprint the table lacks (numpy arrays have no None)
 
 
@@ -45,7 +51,13 @@ def fingerprints(keys: Sequence[BlockKey]) -> np.ndarray:
         raise ValueError(f"block keys are {KEY_BYTES} bytes")
     halves = halves.reshape(-1, 2)
     folded = halves[:, 0] ^ (halves[:, 1] * FOLD)
-    return folded | (folded == 0)
+    fps = (halves[:, 1] << WORD_BITS) | ((folded * GOLDEN) >> WORD_BITS)
+    return fps | (fps == 0)
+
+
+def key_words(fps: np.ndarray) -> np.ndarray:
+    """Bytes 8..12 of each fingerprint's key, little-endian (what shards.shard_of reads of the key)."""
+    return fps >> WORD_BITS
 
 
 class BlockTable:
@@ -147,6 +159,11 @@ class BlockTable:
         """Clear `mask` everywhere in column `name` (a pass over the table)."""
         self.columns[name] &= ~mask
         self.num_live = int(np.count_nonzero(self.live()))
+
+    def slots_where(self, picked: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """Slots holding a fingerprint that `picked` selects (bool per fingerprint), live or tombstone."""
+        flat = self.fp.reshape(-1)
+        return np.flatnonzero((flat != 0) & picked(flat))
 
     def _held(self, slots: np.ndarray) -> np.ndarray:
         held = np.zeros(slots.size, bool)

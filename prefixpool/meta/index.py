@@ -28,7 +28,7 @@ feeds it directly; both ask `longest_prefix`. Knows nothing of etcd, HTTP or how
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -74,9 +74,21 @@ class BlockIndex:
     def remove(self, node_id: str, keys: Iterable[BlockKey]) -> None:
         if node_id not in self.slot_of:
             return
-        table, mask = self._slot(node_id)
+        table, _ = self._slot(node_id)
         slots = table.find(_distinct(fingerprints(list(keys))))
-        slots = slots[slots != ABSENT]
+        self._clear(node_id, slots[slots != ABSENT])
+
+    def remove_where(self, picked: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Every node forgets the blocks whose fingerprints `picked` selects (bool per fingerprint): one
+        pass over the tables (an index shard's blocks, block_table.key_words; prefixpool.meta.sharded_mirror)."""
+        for table, members in zip(self.groups, self.members):
+            slots = table.slots_where(picked)
+            for node_id in list(members.values()):
+                self._clear(node_id, slots)
+
+    def _clear(self, node_id: str, slots: np.ndarray) -> None:
+        """The node no longer holds the blocks at distinct `slots` of its group's table, in any tier."""
+        table, mask = self._slot(node_id)
         counts = self.counts[node_id]
         for tier in [t for t, num in counts.items() if num]:
             counts[tier] -= table.clear_bits(slots, tier, mask)

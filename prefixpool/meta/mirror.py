@@ -24,7 +24,7 @@ import msgspec
 
 from prefixpool.meta.background import stop_task
 from prefixpool.meta.etcd_client import EtcdClient, EtcdError, RevisionCompacted, Snapshot, Watch, WatchBatch
-from prefixpool.meta.layout import Layout
+from prefixpool.meta.layout import BlockEntry, Layout
 from prefixpool.meta.membership import NodeRecord, decode_record
 from prefixpool.meta.fleet_load import FleetLoad, decode_load
 from prefixpool.meta.index import BlockIndex
@@ -134,7 +134,7 @@ class Mirror:
             except RevisionCompacted as error:
                 log.warning("mirror: %s; taking a fresh snapshot", error)
             except EtcdError as error:
-                self.connected = False
+                self._lose()
                 log.warning("mirror: etcd: %s; resync in %.1fs", error, self.config.retry_s)
                 await asyncio.sleep(self.config.retry_s)
             finally:
@@ -142,11 +142,25 @@ class Mirror:
                     self._watch.cancel()
                     self._watch = None
 
+    def _clear_index(self) -> None:
+        """Before a snapshot: the index starts from nothing (a shard's mirror forgets only its shard's blocks)."""
+        self.index = BlockIndex()
+
+    def _lose(self) -> None:
+        """etcd stopped answering: the index stays as it was until a fresh snapshot (one etcd: stale beats
+        empty; a shard's mirror forgets its blocks instead: prefixpool.meta.sharded_mirror)."""
+        self.connected = False
+
+    def _parse_block(self, key: bytes) -> BlockEntry | None:
+        """The block entry `key` names, if it is one of this mirror's (a shard's: of that shard)."""
+        return self.layout.parse_block(key)
+
     def _load(self, snapshot: Snapshot) -> None:
-        self.index, self.nodes, self.node_revisions, self.fleet = BlockIndex(), {}, {}, FleetLoad()
+        self._clear_index()
+        self.nodes, self.node_revisions, self.fleet = {}, {}, FleetLoad()
         blocks: dict[tuple[str, str], list[BlockKey]] = {}  # a snapshot holds each (key, node) once: any order
         for kv in snapshot.kvs:
-            entry = self.layout.parse_block(kv.key)
+            entry = self._parse_block(kv.key)
             if entry is not None and (tier := self._tier(kv.value)) is not None:
                 blocks.setdefault((entry.node_id, tier), []).append(entry.key)
             else:
@@ -167,7 +181,7 @@ class Mirror:
         group: tuple[str, str | None] | None = None  # (node, tier to add in | None to remove)
         keys: list[BlockKey] = []
         for event in batch.events:
-            entry = self.layout.parse_block(event.key)
+            entry = self._parse_block(event.key)
             tier = self._tier(event.value) if event.is_put and entry is not None else None
             if entry is None or (event.is_put and tier is None):  # not a block, or malformed: one by one
                 self._flush(group, keys)
@@ -199,7 +213,7 @@ class Mirror:
 
     def _put(self, key: bytes, value: bytes, revision: int) -> None:
         """A malformed value replacing a good one removes the good one: the mirror never holds more than etcd."""
-        if (entry := self.layout.parse_block(key)) is not None:
+        if (entry := self._parse_block(key)) is not None:
             tier = self._tier(value)
             if tier is not None:
                 self.index.add(entry.node_id, [entry.key], tier)
@@ -235,7 +249,7 @@ class Mirror:
             return None
 
     def _delete(self, key: bytes) -> None:
-        if (entry := self.layout.parse_block(key)) is not None:
+        if (entry := self._parse_block(key)) is not None:
             self.index.remove(entry.node_id, [entry.key])  # a node left holding nothing is forgotten
         elif (node_id := self.layout.parse_node(key)) is not None:
             self.nodes.pop(node_id, None)

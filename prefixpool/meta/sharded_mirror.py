@@ -1,23 +1,27 @@
-"""Index shards, the router side: one Mirror per etcd shard, answered as one cluster view.
+"""Index shards, the router side: one Mirror per etcd shard, all applying into one shared index.
 
     shard 0 (home): node records, router loads, and its share of the blocks
     shard s > 0:    its share of the blocks (node records there only anchor the leases)
 
-    longest_prefix(keys): each shard's index walks only its own keys, at its own speed, and
-    the first miss over all shards ends a node's prefix:
+    etcd shard 0 --watch--> ShardMirror 0 --+
+                                            +--> one ShardedIndex (a BlockIndex)  <-- longest_prefix(keys)
+    etcd shard 1 --watch--> ShardMirror 1 --+
 
-        keys      k0 k1 k2 k3 k4 k5 k6
-        shard      0  1  1  0  1  0  0
-        shard 0   k0 k3 k5 k6   at 0 3 5 6   node n holds 2 in a row -> its first miss is at 5
-        shard 1   k1 k2 k4      at 1 2 4     node n holds 3 in a row -> no miss (7, the end)
-        n's prefix = min(5, 7) = 5 blocks
+A key's shard is a function of the key (shards.shard_of: bytes 8..12 mod K), and the index's
+fingerprint keeps those bytes whole (block_table.key_words), so one table holds every shard's
+blocks and still knows each block's shard: a prompt is one lookup, as with one etcd, and a
+shard's blocks can be forgotten alone (a pass over the table). A shard's mirror applies only its
+own shard's keys (another's, misplaced, is skipped as foreign), and
 
-    A shard whose mirror is not connected (etcd down, stream broken, until its fresh
-    snapshot) holds nothing: its keys are misses, so a prefix ends at its first key in that
-    shard. A shard never lengthens a prefix, so a shard down never makes a wrong answer:
-    the request recomputes what is unknown, and the router keeps serving. With run-granular
-    publication (MirrorConfig.run_blocks) the same walk runs over the request's run-boundary
-    keys (prefixpool.meta.runs), as a single Mirror's does.
+    snapshot (first, or a resync)   forgets its shard's blocks, then adds the snapshot's
+    etcd down / watch broken        forgets its shard's blocks until its fresh snapshot
+
+so a shard that is down holds nothing: its keys are misses, and a prefix ends at its first key in
+that shard. A shard never lengthens a prefix, so a shard down never makes a wrong answer: the
+request recomputes what is unknown, and the router keeps serving. With run-granular publication
+(MirrorConfig.run_blocks) the same index answers the request's run keys (prefixpool.meta.runs), as
+a single Mirror's does. Every shard's mirror runs on the one event loop that calls start(), and
+applies each snapshot or watch batch without awaiting in between, as one Mirror does.
 
 Knows nothing of HTTP, policies or how blocks are published (prefixpool.meta.shards).
 """
@@ -25,100 +29,66 @@ Knows nothing of HTTP, policies or how blocks are published (prefixpool.meta.sha
 from __future__ import annotations
 
 import asyncio
-from bisect import bisect_left
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Sequence
 
-import numpy as np
-
-from prefixpool.meta import runs
+from prefixpool.meta.block_table import key_words
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.fleet_load import FleetLoad
-from prefixpool.meta.layout import Layout
+from prefixpool.meta.index import BlockIndex
+from prefixpool.meta.layout import BlockEntry, Layout
 from prefixpool.meta.membership import NodeRecord
 from prefixpool.meta.mirror import Mirror, MirrorConfig
 from prefixpool.meta.shards import shard_of
 from prefixpool.store.keys import BlockKey
-from prefixpool.store.tier_names import DEVICE
 
 
-class ShardIndex(Protocol):
-    def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]: ...
-    def num_lower(self, node_id: str) -> int: ...
-    def lower_tiers(self, node_id: str, keys: Iterable[BlockKey]) -> dict[str, int]: ...
-    def tier_of(self, node_id: str, key: BlockKey) -> str | None: ...
+class ShardedIndex(BlockIndex):
+    """One BlockIndex holding the blocks of `num_shards` shards, each shard's forgettable alone."""
+
+    def __init__(self, num_shards: int) -> None:
+        super().__init__()
+        self.num_shards = num_shards
+
+    def remove_shard(self, shard: int) -> None:
+        """Every node forgets the blocks of `shard` (one pass over the table); other shards' stay."""
+        self.remove_where(lambda fps: key_words(fps) % self.num_shards == shard)
 
 
-def shard_positions(keys: Sequence[BlockKey], num_shards: int) -> list[list[int]]:
-    """Per shard, the positions in `keys` of its keys (shards.shard_of, vectorized)."""
-    shards = np.frombuffer(b"".join(keys), dtype="<u4")[2::4] % num_shards
-    return [np.flatnonzero(shards == s).tolist() for s in range(num_shards)]
+class ShardMirror(Mirror):
+    """One shard's Mirror: its blocks go into the index every shard shares (its `index`, num_keys() and
+    held_blocks() are the shared index's, every shard's)."""
 
+    def __init__(self, client: EtcdClient, layout: Layout, config: MirrorConfig, index: ShardedIndex,
+                 shard: int) -> None:  # fmt: skip
+        super().__init__(client, layout, config)
+        self.index: ShardedIndex = index
+        self.shard = shard
 
-def longest_prefix(indexes: Sequence[ShardIndex | None], keys: Sequence[BlockKey]) -> dict[str, int]:
-    """Per node, how many of `keys` from keys[0] on it holds consecutively, each key looked up in its
-    shard's index; None for a shard that is down (every key of it a miss). Nodes with 0 omitted."""
-    if not keys:
-        return {}
-    positions = shard_positions(keys, len(indexes))
-    first = next(s for s, at in enumerate(positions) if at and at[0] == 0)
-    if indexes[first] is None:
-        return {}
-    ends: dict[str, int] = {}  # node -> its first miss so far (len(keys): none)
-    for shard in [first, *(s for s in range(len(indexes)) if s != first)]:
-        at, index = positions[shard], indexes[shard]
-        if shard != first:  # only this shard's keys before the longest prefix so far can shorten one
-            at = at[: bisect_left(at, max(ends.values(), default=0))]
-        if not at:
-            continue
-        if index is None:
-            ends = {node: min(end, at[0]) for node, end in ends.items()}
-            continue
-        matched = index.longest_prefix([keys[i] for i in at])
-        if shard == first:
-            ends = {node: len(keys) for node in matched}  # only holders of keys[0] can match
-        for node, end in ends.items():
-            held = matched.get(node, 0)
-            ends[node] = min(end, at[held] if held < len(at) else len(keys))
-    return ends
+    def _clear_index(self) -> None:
+        self.index.remove_shard(self.shard)
 
+    def _lose(self) -> None:
+        if self.connected:  # once: retries while it stays down find nothing of it left
+            self.index.remove_shard(self.shard)
+        super()._lose()
 
-class ShardedIndex:
-    """The K shards' indexes read as one (None: a shard that is down, which holds nothing)."""
-
-    def __init__(self, indexes: Sequence[ShardIndex | None]) -> None:
-        self.indexes = indexes
-
-    def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]:
-        return longest_prefix(self.indexes, keys)
-
-    def lower_tiers(self, node_id: str, keys: Iterable[BlockKey]) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        if not any(index.num_lower(node_id) for index in self.indexes if index is not None):
-            return counts  # most nodes hold nothing below the device: no split, no lookups
-        keys = list(keys)
-        if not keys:
-            return counts
-        for index, at in zip(self.indexes, shard_positions(keys, len(self.indexes))):
-            if index is not None and at:
-                for tier, num in index.lower_tiers(node_id, [keys[i] for i in at]).items():
-                    counts[tier] = counts.get(tier, 0) + num
-        return counts
-
-    def tier_of(self, node_id: str, key: BlockKey) -> str | None:
-        index = self.indexes[shard_of(key, len(self.indexes))]
-        return None if index is None else index.tier_of(node_id, key)
+    def _parse_block(self, key: bytes) -> BlockEntry | None:
+        entry = super()._parse_block(key)
+        return entry if entry is None or shard_of(entry.key, self.index.num_shards) == self.shard else None
 
 
 class ShardedMirror:
-    """K Mirrors, one per shard, behind the Mirror's read API (the router's ClusterView)."""
+    """K Mirrors, one per shard, into one shared index, behind the Mirror's read API (the router's ClusterView):
+    what reads the index goes to the home shard's mirror, whose index is everyone's."""
 
     def __init__(self, clients: Sequence[EtcdClient], layout: Layout, config: MirrorConfig = MirrorConfig()) -> None:
         assert len(clients) > 1, "one shard needs no ShardedMirror"
-        self.shards = [Mirror(client, layout, config) for client in clients]
+        shared = ShardedIndex(len(clients))
+        self.shards = [ShardMirror(client, layout, config, shared, shard) for shard, client in enumerate(clients)]
         self.layout, self.run_blocks = layout, config.run_blocks
 
     @property
-    def home(self) -> Mirror:
+    def home(self) -> ShardMirror:
         return self.shards[0]
 
     @property
@@ -154,11 +124,11 @@ class ShardedMirror:
             await mirror.stop()
 
     def index(self) -> ShardedIndex:
-        """Every shard's block index as one; a shard not connected holds nothing (its blocks unknown)."""
-        return ShardedIndex([m.index if m.connected else None for m in self.shards])
+        """Every shard's blocks in one index; a shard not connected holds nothing there (its blocks unknown)."""
+        return self.home.index
 
     def num_keys(self) -> int:
-        return sum(m.num_keys() for m in self.shards if m.connected)
+        return self.home.num_keys()
 
     def lag_s(self) -> float:
         return max(m.lag_s() for m in self.shards)
@@ -167,23 +137,19 @@ class ShardedMirror:
         return self.home.nodes
 
     def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]:
-        """As Mirror.longest_prefix (at run granularity when runs are on), over every shard."""
-        return runs.longest_prefix(self.index(), keys, self.run_blocks)
+        """As Mirror.longest_prefix (at run granularity when runs are on), over every shard: one lookup."""
+        return self.home.longest_prefix(keys)
 
     def held_blocks(self, node_id: str) -> int:
-        return sum(m.held_blocks(node_id) for m in self.shards if m.connected)
+        return self.home.held_blocks(node_id)
 
     def lower_tiers(self, node_id: str, keys: Iterable[BlockKey]) -> dict[str, int]:
         """As Mirror.lower_tiers: with runs, a run counts in its boundary's tier."""
-        index = self.index()
-        if self.run_blocks == 1:
-            return index.lower_tiers(node_id, keys)
-        counts: dict[str, int] = {}
-        for key, length in runs.run_lengths(list(keys), self.run_blocks).items():
-            tier = index.tier_of(node_id, key)
-            if tier is not None and tier != DEVICE:
-                counts[tier] = counts.get(tier, 0) + length
-        return counts
+        return self.home.lower_tiers(node_id, keys)
+
+    def holders_of(self, key: BlockKey) -> dict[str, str]:
+        """{node: tier} of every holder of `key` (as BlockIndex.holders_of)."""
+        return self.home.index.holders_of(key)
 
     def report_revision(self, node_id: str) -> int:
         return self.home.report_revision(node_id)

@@ -108,9 +108,10 @@ def test_tiers_move_and_only_lower_ones_are_counted():
 
 
 def colliding(key: bytes) -> bytes:
-    """Another 16-byte key with `key`'s fingerprint: the high half changed, the low half compensating."""
+    """Another 16-byte key with `key`'s fingerprint: bytes 12..16 changed (8..12 the fingerprint keeps whole),
+    the low half compensating."""
     low, high = struct.unpack("<QQ", key)
-    other_high = (high + 1) & M64
+    other_high = (high + (1 << 32)) & M64
     fold = int(FOLD)
     return struct.pack("<QQ", low ^ (high * fold & M64) ^ (other_high * fold & M64), other_high)
 
