@@ -23,7 +23,8 @@ The index only ever steers work. With 64-bit fingerprints a table of 5M blocks h
 somewhere with probability ~7e-7 (tests/unit/test_index.py forces one).
 
 A plain data structure. The router's etcd mirror feeds it from watch events, the trace simulator
-feeds it directly; both ask `longest_prefix`. Knows nothing of etcd, HTTP or how keys were made.
+feeds it directly; both ask `longest_prefix` (and, with run-granular publication, `last_held` for
+a partial run: prefixpool.meta.runs). Knows nothing of etcd, HTTP or how keys were made.
 """
 
 from __future__ import annotations
@@ -143,6 +144,23 @@ class BlockIndex:
                         matches[node_id] = int(np.count_nonzero(run & np.uint64(1 << bit)))
         return matches
 
+    def last_held(self, keys: Sequence[BlockKey], spans: Sequence[tuple[int, int]]) -> list[dict[str, int]]:
+        """Per (start, stop) span of `keys`: per node, 1 + the position of the last key in the span that it holds,
+        whatever it holds before (nodes holding none there omitted). Every span in one lookup: the partial runs
+        a node's chain tails reach into (prefixpool.meta.runs)."""
+        found: list[dict[str, int]] = [{} for _ in spans]
+        picked = [keys[i] for start, stop in spans for i in range(start, stop)]
+        if not picked:
+            return found
+        fps = fingerprints(picked)
+        for table, members in zip(self.groups, self.members):
+            if members:
+                words, offset = table.bits(fps).tolist(), 0
+                for answer, (start, stop) in zip(found, spans):
+                    _last_bits(words[offset : offset + stop - start], start, members, answer)
+                    offset += stop - start
+        return found
+
     def _slot(self, node_id: str) -> tuple[BlockTable, np.uint64]:
         """The node's group table and bit, given one on first use (the lowest free)."""
         if node_id not in self.slot_of:
@@ -183,3 +201,15 @@ class BlockIndex:
 
 def _distinct(fps: np.ndarray) -> np.ndarray:
     return np.unique(fps) if fps.size > 1 else fps  # np.unique costs more than the rest of a one-key add
+
+
+def _last_bits(words: list[int], start: int, members: dict[int, str], answer: dict[str, int]) -> None:
+    """Into `answer`: each member's 1 + position (from `start`) of the last word with its bit set."""
+    seen = 0
+    for at in range(len(words) - 1, -1, -1):
+        new = words[at] & ~seen
+        if new:
+            seen |= new
+            for bit, node_id in members.items():
+                if new >> bit & 1:
+                    answer[node_id] = start + at + 1

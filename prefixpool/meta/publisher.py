@@ -1,7 +1,8 @@
 """Block publication: what the node stores and evicts, into etcd, off the caller's path.
 
     publish(stored, removed)          caller (forward pass), never waits on etcd
-        │  run filter: only run-boundary keys when run_blocks > 1 (prefixpool.meta.runs)
+        │  run filter when run_blocks > 1 (prefixpool.meta.runs): run boundaries, the stored chain's
+        │    tail (stored's last key), and keys etcd holds (a tail moved to another tier, or evicted)
         │  pending: {key: tier | None}   one entry per key, the latest op wins
         │  coalesced: an op that leaves the key as etcd will hold it is no op at all
         │    (store then remove of a key etcd never had -> nothing; remove then store
@@ -26,7 +27,7 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Callable, Collection, Iterable, Mapping, Protocol
 
 from prefixpool.meta.background import stop_task
 from prefixpool.meta.etcd_client import EtcdClient, EtcdError, LeaseNotFound
@@ -96,10 +97,15 @@ class Publisher:
         await stop_task(self._task)
         self._task = None
 
-    def publish(self, stored: Iterable[BlockKey] = (), removed: Iterable[BlockKey] = (), tier: str = DEVICE) -> None:
-        """Non-blocking, thread-safe. Later ops on the same key replace earlier pending ones."""
-        stored, removed = published(stored, self.config.run_blocks), published(removed, self.config.run_blocks)
+    def publish(self, stored: Iterable[BlockKey] = (), removed: Iterable[BlockKey] = (), tier: str = DEVICE,
+                tails: Collection[BlockKey] | None = None) -> None:
+        """Non-blocking, thread-safe. Later ops on the same key replace earlier pending ones. `stored` in chain
+        order; `tails`: the stored chains' last keys (None: stored's last), published with the run boundaries."""
+        stored = list(stored)
+        tails = stored[-1:] if tails is None else tails
         with self._mutex:
+            stored = published(stored, self.config.run_blocks, tails, self._etcd_holds)
+            removed = published(removed, self.config.run_blocks, (), self._etcd_holds)
             if self._republish:
                 self.num_dropped += len(stored) + len(removed)
             else:
@@ -130,6 +136,12 @@ class Publisher:
             while self.busy:
                 await asyncio.sleep(0.005)
         return self.revision
+
+    def _etcd_holds(self, key: BlockKey) -> bool:
+        """Whether etcd holds `key` once every op taken or pending is written (call under the mutex)."""
+        if key in self._pending:
+            return self._pending[key] is not None
+        return key in self._written
 
     def _enqueue(self, stored: Iterable[BlockKey], removed: Iterable[BlockKey], tier: str) -> None:
         pending, written, uncertain = self._pending, self._written, self._uncertain
@@ -218,11 +230,11 @@ class Publisher:
     async def _fill(self, lease_id: int) -> None:
         """Runs inside Membership.rotate, under its lock: everything we hold, under the new lease."""
         with self._mutex:
+            entries = published_entries(self.all_keys(), self.config.run_blocks, self._etcd_holds)  # tails kept
             self._pending.clear()
             self._republish = False
             self._filling = True
             self._generation += 1
-            entries = published_entries(self.all_keys(), self.config.run_blocks)
             self._written, self._uncertain = dict(entries), set()
         try:
             puts = [(self.layout.block_key(key, self.node_id), tier.encode()) for key, tier in entries]

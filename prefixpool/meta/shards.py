@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 from prefixpool.meta.background import stop_task
 from prefixpool.meta.etcd_client import EtcdClient, EtcdError
@@ -158,12 +158,14 @@ class ShardedPublisher:
         for publisher in self.shards:
             await publisher.stop()
 
-    def publish(self, stored: Iterable[BlockKey] = (), removed: Iterable[BlockKey] = (), tier: str = DEVICE) -> None:
-        """Non-blocking, thread-safe: each key to its shard's publisher."""
-        num_shards = len(self.shards)
+    def publish(self, stored: Iterable[BlockKey] = (), removed: Iterable[BlockKey] = (), tier: str = DEVICE,
+                tails: Collection[BlockKey] | None = None) -> None:
+        """Non-blocking, thread-safe: each key to its shard's publisher (stored's last key a tail in its own only)."""
+        stored, num_shards = list(stored), len(self.shards)
+        tails = stored[-1:] if tails is None else tails
         for publisher, put, gone in zip(self.shards, split(stored, num_shards), split(removed, num_shards)):
             if put or gone:
-                publisher.publish(put, gone, tier)
+                publisher.publish(put, gone, tier, tails)
 
     def republish(self) -> None:
         for publisher in self.shards:

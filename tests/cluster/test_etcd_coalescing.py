@@ -1,8 +1,8 @@
 """Coalescing and run-granular publication against a real etcd, with etcdctl as the oracle.
 
 After any sequence of stores, tier changes and evictions, once the publisher has flushed,
-etcd holds exactly the node's published holdings (every key, or the run-boundary keys),
-and an op that leaves a key as etcd already has it costs no write at all.
+etcd holds exactly the node's published holdings (every key, or the run-boundary keys and the
+tails of the stored chains), and an op that leaves a key as etcd already has it costs no write at all.
 """
 
 import asyncio
@@ -31,22 +31,27 @@ def etcd_blocks(server, ns: str, node_id: str) -> dict[bytes, str]:
     return {e.key: v.decode() for k, v in kvs.items() if (e := layout.parse_block(k)) and e.node_id == node_id}
 
 
-def expected(node: LocalNode, run_blocks: int) -> dict[bytes, str]:
-    return {key: tier for key, tier in node.held.items() if runs.is_boundary(key, run_blocks)}
+def expected(node: LocalNode, run_blocks: int, tails: set[bytes]) -> dict[bytes, str]:
+    return {key: tier for key, tier in node.held.items() if runs.is_boundary(key, run_blocks) or key in tails}
 
 
-async def random_churn(node: LocalNode, keys: list[bytes], rng: random.Random, steps: int) -> None:
-    """Stores, re-tiers and evictions of random key sets; sometimes lets the writer run in between."""
+async def random_churn(node: LocalNode, keys: list[bytes], rng: random.Random, steps: int, tails: set[bytes]) -> None:
+    """Stores, re-tiers and evictions of random key sets; sometimes lets the writer run in between. `tails`:
+    the held keys published as a store's last key (a chain's tail), kept up to date."""
     for _ in range(steps):
         chosen = rng.sample(keys, rng.randint(1, 6))
         kind = rng.random()
         if kind < 0.45:
-            node.store(chosen, rng.choice(TIERS))
+            node.store(chosen, rng.choice(TIERS))  # a tail held already keeps its key, in the new tier
+            tails.add(chosen[-1])
         elif kind < 0.9:
             node.evict(chosen)
+            tails.difference_update(chosen)
         else:
             node.evict(chosen)
+            tails.difference_update(chosen)
             node.store(chosen, rng.choice(TIERS))
+            tails.add(chosen[-1])
         if rng.random() < 0.3:
             await asyncio.sleep(rng.choice([0, 0, 0.002]))
 
@@ -59,10 +64,11 @@ def test_etcd_equals_holdings_after_random_churn(etcd, ns, run_blocks, window_s)
         node = await node_with(etcd.endpoint, ns, "n0", PublisherConfig(window_s=window_s, run_blocks=run_blocks,
                                                                       retry_s=0.1)).start()
         try:
+            tails: set[bytes] = set()
             for seed in range(4):
-                await random_churn(node, keys, random.Random(seed * 10 + run_blocks), 60)
+                await random_churn(node, keys, random.Random(seed * 10 + run_blocks), 60, tails)
                 await node.publisher.flush()
-                assert etcd_blocks(etcd, ns, "n0") == expected(node, run_blocks)
+                assert etcd_blocks(etcd, ns, "n0") == expected(node, run_blocks, tails)
             return node.publisher.num_coalesced
         finally:
             await node.stop()
@@ -94,21 +100,21 @@ def test_store_then_evict_in_one_window_writes_nothing(etcd, ns):
     asyncio.run(scenario())
 
 
-def test_runs_publish_only_boundaries_and_partial_runs_nothing(etcd, ns):
-    keys = chain_ids(range(200), Namespace("runs"))
+def test_runs_publish_boundaries_and_the_chain_tail_and_partial_runs_nothing(etcd, ns):
+    keys = chain_ids(range(150), Namespace("runs"))
     ends = runs.boundaries(keys, 8)
-    assert 5 < len(ends) < 60  # about one in 8
+    assert 5 < len(ends) < 45 and ends[-1] != 149  # about one in 8; the chain's last key is no boundary
 
     async def scenario():
         node = await node_with(etcd.endpoint, ns, "n0", PublisherConfig(run_blocks=8)).start()
         try:
             node.store(keys)
             await node.publisher.flush()
-            assert set(etcd_blocks(etcd, ns, "n0")) == {keys[i] for i in ends}
+            assert set(etcd_blocks(etcd, ns, "n0")) == {keys[i] for i in ends} | {keys[149]}
             node.evict(keys[ends[1]:])  # the tail goes first: the run up to ends[1] is now partial
             await node.publisher.flush()
             assert set(etcd_blocks(etcd, ns, "n0")) == {keys[ends[0]]}
-            assert node.publisher.num_written == len(ends) + len(ends) - 1
+            assert node.publisher.num_written == (len(ends) + 1) + len(ends)
         finally:
             await node.stop()
 
@@ -166,7 +172,8 @@ def test_large_txns_fall_back_on_an_etcd_at_its_default_limit(ns):
 
 
 def test_router_mirror_matches_runs_published_through_etcd(etcd, ns):
-    """Node publishes runs of 8 into etcd; a mirror set to 8 matches through the last held boundary."""
+    """Node publishes runs of 8 into etcd; a mirror set to 8 matches through the last held boundary, and on to
+    the chain's tail when the node holds it."""
     from prefixpool.meta.etcd_client import EtcdClient
     from prefixpool.meta.mirror import Mirror, MirrorConfig
 
@@ -178,11 +185,11 @@ def test_router_mirror_matches_runs_published_through_etcd(etcd, ns):
         mirror = Mirror(EtcdClient(etcd.endpoint, timeout_s=2.0), Layout(ns), MirrorConfig(run_blocks=8))
         await mirror.start()
         try:
-            node.store(keys[:100])
+            node.store(keys[:97])
             await mirror.wait_revision(await node.publisher.flush())
-            last = max(i for i in ends if i < 100)
-            assert mirror.longest_prefix(keys) == {"n0": last + 1}
-            assert mirror.num_keys() == sum(1 for i in ends if i < 100)  # one index entry per run
+            assert 96 not in ends and 97 not in ends
+            assert mirror.longest_prefix(keys) == {"n0": 97}  # through the last boundary, on to the tail
+            assert mirror.num_keys() == sum(1 for i in ends if i < 97) + 1  # one index entry per run, and the tail
             node.evict(keys[ends[2]:])
             await mirror.wait_revision(await node.publisher.flush())
             assert mirror.longest_prefix(keys) == {"n0": ends[1] + 1}

@@ -73,3 +73,82 @@ def test_mirror_counts_a_run_in_its_boundary_tier():
     assert mirror.longest_prefix(keys) == {"n0": ends[2] + 1}
     assert mirror.lower_tiers("n0", keys[: ends[2] + 1]) == {"host": ends[1] - ends[0]}
     assert mirror.lower_tiers("n1", keys) == {}
+
+
+# -- chain tails ----------------------------------------------------------------------------------
+
+def publisher(run_blocks: int):
+    """A Publisher never started: publish() only queues, _take() plays a write reaching etcd."""
+    from prefixpool.meta.etcd_client import EtcdClient
+    from prefixpool.meta.layout import Layout
+    from prefixpool.meta.membership import Membership, NodeRecord
+    from prefixpool.meta.publisher import Publisher, PublisherConfig
+
+    record = NodeRecord("n0", "http://127.0.0.1:1", "tcp://127.0.0.1:1", 16, 1024, "tiny")
+    membership = Membership(EtcdClient("127.0.0.1:1"), Layout("tails"), record)
+    return Publisher(membership.client, membership, lambda: [], PublisherConfig(run_blocks=run_blocks))
+
+
+def test_a_stored_chain_publishes_its_boundaries_and_its_tail_and_eviction_deletes_the_tail():
+    keys = KEYS[:100]
+    ends = runs.boundaries(keys, 8)
+    assert ends[-1] != 99
+    node = publisher(8)
+    node.publish(stored=keys[:60])  # a first request: tail at 59
+    node.publish(stored=keys[60:])  # its next turn: tail at 99
+    expected = {keys[i] for i in ends} | {keys[59], keys[99]}
+    assert set(node._pending) == expected and set(node._take()) == expected  # written
+    node.publish(stored=keys[50:70], tier="host")  # moved: tail 59 goes along, non-tails stay unpublished
+    assert set(node._pending) == {keys[i] for i in ends if 50 <= i < 70} | {keys[59], keys[69]}
+    node._take()
+    node.publish(removed=keys[40:])  # evicted: each published key is deleted, never one it did not publish
+    assert node._pending == dict.fromkeys([keys[i] for i in ends if i >= 40] + [keys[59], keys[69], keys[99]])
+    node._take()
+    node.publish(stored=keys[40:45])  # back: a new tail, the old tails stay forgotten
+    assert set(node._pending) == {keys[i] for i in ends if 40 <= i < 45} | {keys[44]}
+
+
+def test_a_tail_stored_then_evicted_before_any_write_is_nothing():
+    keys = KEYS[:30]
+    node = publisher(8)
+    node.publish(stored=keys)
+    node.publish(removed=keys)
+    assert node.num_pending == 0 and node.num_coalesced == len(runs.boundaries(keys, 8)) + 1
+
+
+def test_the_router_match_reaches_a_held_tail_but_never_past_a_missing_boundary():
+    keys = KEYS[:200]
+    ends = runs.boundaries(keys, 8)
+    assert ends[3] - 1 > ends[2] and ends[1] - 2 > ends[0]
+    index = BlockIndex()
+    index.add("n0", runs.published(keys[:ends[3] + 5], 8, [keys[ends[3] + 4]]))  # tail 4 past boundary 3
+    index.add("n1", runs.published(keys[:ends[1] - 1], 8, [keys[ends[1] - 2]]))  # tail just before boundary 1
+    index.add("n2", [keys[ends[0]], keys[ends[3] - 1]])  # boundary 0, not 1: its key before 3 is unreachable
+    index.add("n3", [keys[ends[0] - 1]])  # only a tail inside the first run
+    assert runs.longest_prefix(index, keys, 8) == {
+        "n0": ends[3] + 5, "n1": ends[1] - 1, "n2": ends[0] + 1, "n3": ends[0]}
+    assert runs.longest_prefix(index, keys[:ends[3] + 2], 8)["n0"] == ends[3] + 1  # the prompt ends first
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.sampled_from([2, 4, 8, 16]), fork=st.integers(1, 150),
+       stores=st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.integers(1, 200)), min_size=1, max_size=8),
+       prompt=st.tuples(st.booleans(), st.integers(1, 200)))
+def test_tails_never_match_more_than_per_block_and_as_much_at_a_stored_chain_end(n, fork, stores, prompt):
+    """Chains from two sequences sharing `fork` blocks, stored on random nodes (per block: every key in the
+    index; runs: what the node publishes). A prompt matches no more than per block, and as much whenever the
+    per-block match ends where a chain its node stored ends."""
+    seqs = [KEYS[:200], KEYS[:fork] + KEYS[1000 : 1200 - fork]]
+    per_block, by_runs, ends_at = BlockIndex(), BlockIndex(), {}
+    for node, which, cut in stores:
+        chain = seqs[which][:cut]
+        per_block.add(f"n{node}", chain)
+        by_runs.add(f"n{node}", runs.published(chain, n, chain[-1:]))
+        ends_at.setdefault(f"n{node}", set()).add(chain[-1])
+    keys = seqs[prompt[0]][: prompt[1]]
+    exact, matched = per_block.longest_prefix(keys), runs.longest_prefix(by_runs, keys, n)
+    for node, num in matched.items():
+        assert num <= exact[node]
+    for node, num in exact.items():
+        if keys[num - 1] in ends_at[node]:
+            assert matched.get(node) == num
