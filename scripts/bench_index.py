@@ -9,7 +9,8 @@ Each section is a function returning rows (metric, before, after), measured in t
                per block and 2; build rate; longest_prefix at 8k tokens over 8 workers with the
                index that full
     decisions  router decisions/s at 8k tokens over 8 workers (scripts/bench_router.py's
-               decisions_per_second: hash, longest prefix, cost policy), the index swapped
+               decisions_per_second: hash, longest prefix, cost policy), the index swapped; and with
+               2 index shards, whose mirrors share one index (prefixpool/meta/sharded_mirror.py)
     shards     index shards (scripts/index_shard_churn.py): the churn steps against one etcd server and
                two, per-block and coalesced publication; its rows' columns are 1 and 2 etcd clusters
                (or, where the metric says so, per-block and coalesced), and `fleet capacity (2 shards)`
@@ -29,6 +30,7 @@ import argparse
 import gc
 import time
 import tracemalloc
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -122,9 +124,15 @@ def single_add_rate(index_type: Callable, count: int = 200_000) -> float:
 def decisions_rows(args) -> list[Row]:
     from bench_router import decisions_per_second  # the router's imports only for this section
 
-    rates = {name: decisions_per_second(8000, 8, index_type=index_type)[:2] for name, index_type in INDEXES.items()}
-    return [("router decisions/s at 8k tokens over 8 workers (per CPU second of the bench thread)",
-             *(f"{wall:,.0f} ({cpu:,.0f})" for wall, cpu in rates.values()))]
+    from prefixpool.meta.sharded_mirror import ShardedIndex
+
+    sharded = {"before": DictBlockIndex, "after": partial(ShardedIndex, 2)}  # the dict index was never sharded
+    rows = []
+    for label, indexes in (("", INDEXES), (", 2 index shards in one shared index", sharded)):
+        rates = [decisions_per_second(8000, 8, index_type=index_type)[:2] for index_type in indexes.values()]
+        rows.append((f"router decisions/s at 8k tokens over 8 workers{label} (per CPU second of the bench thread)",
+                     *(f"{wall:,.0f} ({cpu:,.0f})" for wall, cpu in rates)))
+    return rows
 
 
 def churn_rows(args) -> list[Row]:

@@ -1,11 +1,11 @@
 """A flat open-addressing hash table over 64-bit block-key fingerprints, in numpy: slot -> bitmap columns.
 
-    folded(key)      = low 8 bytes ^ (high 8 bytes * odd constant), mod 2**64
-    fingerprint(key) = key bytes 8..12 << 32 | top half of (folded * golden ratio)   (0 is "empty": a 0 becomes 1)
+    fingerprint(key) = key bytes 8..12 << 32 | top half of ((low 8 bytes * odd constant) ^ high 8 bytes)
+                       (mod 2**64; 0 is "empty": a 0 becomes 1)
 
 The fingerprint keeps bytes 8..12 whole (key_words), the word an index shard is picked by
 (prefixpool.meta.shards): one table can hold every shard's blocks and forget one shard's alone.
-Its low half mixes all 16 bytes, so keys differing anywhere still differ in it.
+Its low half mixes the other 12 bytes in, so hand-made keys differing anywhere still differ.
 
     fp       (buckets, 8) uint64      | f f f f . . . . | f f f f f f f f | f f . . . . . . | ...
     fill     (buckets,)   uint8         4                 8 (full)          2
@@ -37,9 +37,10 @@ BUCKET = 8
 MAX_LOAD = 0.75
 TARGET_LOAD = 0.5
 MIN_BUCKETS = 2  # small: the tests rebuild often; a table doubles as it fills
-FOLD = np.uint64(0xC2B2AE3D27D4EB4F)  # odd: folding the high half in keeps hand-made keys apart
+FOLD = np.uint64(0xC2B2AE3D27D4EB4F)  # odd: every bit of the low half reaches the product's top half
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the top bits of fp * GOLDEN pick the bucket
 FEW = 16  # keys left in a lookup below which Python walks on, not numpy
+ONE = np.uint64(1)
 WORD_BITS = np.uint64(32)  # a fingerprint's top half is a word of its key
 ABSENT = -1  # find()'s slot for a fingerprint the table lacks (numpy arrays have no None)
 
@@ -49,10 +50,12 @@ def fingerprints(keys: Sequence[BlockKey]) -> np.ndarray:
     halves = np.frombuffer(b"".join(keys), dtype="<u8")
     if halves.size != 2 * len(keys):
         raise ValueError(f"block keys are {KEY_BYTES} bytes")
-    halves = halves.reshape(-1, 2)
-    folded = halves[:, 0] ^ (halves[:, 1] * FOLD)
-    fps = (halves[:, 1] << WORD_BITS) | ((folded * GOLDEN) >> WORD_BITS)
-    return fps | (fps == 0)
+    low, high = halves[0::2], halves[1::2]
+    fps = low * FOLD  # in place from here: this runs once per routing decision
+    fps ^= high
+    fps >>= WORD_BITS
+    fps |= high << WORD_BITS
+    return np.maximum(fps, ONE, out=fps)
 
 
 def key_words(fps: np.ndarray) -> np.ndarray:

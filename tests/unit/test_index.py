@@ -109,11 +109,12 @@ def test_tiers_move_and_only_lower_ones_are_counted():
 
 def colliding(key: bytes) -> bytes:
     """Another 16-byte key with `key`'s fingerprint: bytes 12..16 changed (8..12 the fingerprint keeps whole),
-    the low half compensating."""
+    the low half compensating: low * FOLD ^ high stays the same."""
     low, high = struct.unpack("<QQ", key)
     other_high = (high + (1 << 32)) & M64
     fold = int(FOLD)
-    return struct.pack("<QQ", low ^ (high * fold & M64) ^ (other_high * fold & M64), other_high)
+    other_low = ((low * fold & M64) ^ high ^ other_high) * pow(fold, -1, 1 << 64) & M64
+    return struct.pack("<QQ", other_low, other_high)
 
 
 def test_a_fingerprint_collision_costs_a_miss_never_a_wrong_block():
