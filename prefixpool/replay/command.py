@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sub-blocks", type=int, default=1,
                         help="sim: split each 512-token trace block into this many (32: 16-token blocks)")
     parser.add_argument("--run-blocks", default="1",
-                        help="sim: the index learns one key per run of about N blocks (meta/runs.py); "
+                        help="sim: the index learns one key per run of about N blocks and each stored chain's tail "
+                             "(meta/runs.py); "
                              "several, comma-separated: a table of hit rate and fetched blocks per N")
     parser.add_argument("--out", default="", help="directory for PNG plots and the markdown report")
     parser.add_argument("--router", default="http://127.0.0.1:8000", help="live: router URL")

@@ -47,7 +47,7 @@ class SimConfig:
     disk_blocks: int = 0  # per node, local SSD; 0 = no SSD tier
     fetch: bool = True  # nodes send and receive blocks; False: each reuses only its own cache (vLLM servers)
     sub_blocks: int = 1  # split each trace block into this many (32: 16-token blocks); capacity counts trace blocks
-    run_blocks: int = 1  # the index learns run-boundary keys only (prefixpool.meta.runs); nodes reuse block by block
+    run_blocks: int = 1  # the index learns run boundaries and chain tails (meta.runs); nodes reuse block by block
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,9 @@ class _Run:
     choose: Callable
     rng: random.Random
     index: BlockIndex = field(default_factory=BlockIndex)
-    # (end, seq, node, keys, tokens)
-    finishing: list[tuple[float, int, str, list[BlockKey], int]] = field(default_factory=list)
+    tails: dict[str, set[BlockKey]] = field(default_factory=dict)  # per node, the chain tails the index has
+    # (end, seq, node, keys, chain tails, tokens)
+    finishing: list[tuple[float, int, str, list[BlockKey], tuple[BlockKey, ...], int]] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     fractions: list[float] = field(default_factory=list)
     hit_tokens: int = 0
@@ -121,17 +122,26 @@ class _Run:
     def finish_until(self, now: float) -> None:
         """Prefills ended by `now` store their blocks; the index learns each block's tier."""
         while self.finishing and self.finishing[0][0] <= now:
-            _, _, name, keys, tokens = heapq.heappop(self.finishing)
+            _, _, name, keys, tails, tokens = heapq.heappop(self.finishing)
             node = self.nodes[name]
             node.queued_tokens -= tokens
-            changed: dict[str | None, list[BlockKey]] = {}
-            for key in runs.published(node.store(keys), self.config.run_blocks):  # what etcd would learn
-                changed.setdefault(node.tier_of(key), []).append(key)
+            changed = self._published(name, node.store(keys), tails)
             for tier, moved in changed.items():  # one index call per tier, not per key
                 if tier is None:
                     self.index.remove(name, moved)
                 else:
                     self.index.add(name, moved, tier)
+
+    def _published(self, name: str, touched: list[BlockKey], tails: tuple[BlockKey, ...]) -> dict[str | None, list]:
+        """{tier or None: keys} of `touched` that etcd would learn (meta/runs.py, as the node's Publisher does)."""
+        known, node, changed = self.tails.setdefault(name, set()), self.nodes[name], {}
+        out = runs.published(touched, self.config.run_blocks, tails, known.__contains__)
+        for key in out:
+            changed.setdefault(node.tier_of(key), []).append(key)
+        known.difference_update(changed.get(None, ()))
+        if self.config.run_blocks > 1:
+            known.update(key for key in tails if key in out and node.tier_of(key) is not None)
+        return changed
 
     def admit(self, seq: int, record: TraceRecord) -> None:
         """Route one arrival with the router's policy and queue its prefill on the chosen node."""
@@ -154,11 +164,22 @@ class _Run:
         prefill_s = read_s + costs.prefill_s(computed, reused)
         node.free_at, node.busy_s = start + prefill_s, node.busy_s + prefill_s
         node.queued_tokens += computed
-        heapq.heappush(self.finishing, (node.free_at, seq, plan.worker, keys, computed))
+        tails = _tails(record, keys, self.config.sub_blocks)
+        heapq.heappush(self.finishing, (node.free_at, seq, plan.worker, keys, tails, computed))
         self.ttfts.append(node.free_at - arrival)
         self.fractions.append(reused / record.input_length)
         self.hit_tokens += reused
         self.moved += fetched * costs.block_bytes
+
+
+def _tails(record: TraceRecord, keys: list[BlockKey], sub_blocks: int) -> tuple[BlockKey, ...]:
+    """The chain tails a node storing `keys` publishes: its last key, and the last of its last full trace block.
+
+    A fleet's node publishes one tail, its chain's last block, and a later turn of the conversation shares the
+    whole chain. The trace hashes 512-token blocks: a partial last block gets an id of its own, so here a
+    later turn shares the chain only up to its last full trace block, and that block's last key stands in."""
+    full = record.input_length // TRACE_BLOCK_TOKENS * sub_blocks
+    return tuple(dict.fromkeys(keys[i] for i in (full - 1, len(keys) - 1) if 0 <= i < len(keys)))
 
 
 def _own_prefix(node: SimNode, keys: Sequence[BlockKey]) -> int:
