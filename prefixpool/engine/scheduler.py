@@ -26,7 +26,8 @@ allocation evicts when the node has lower tiers). Under minimum residency an
 allocation can fail although enough blocks are free: the request waits for the
 next step, never for ever, since residency ends. Knows nothing of HTTP, etcd,
 tiers or transfers: it reports the keys it stored and evicted through
-`take_pool_events`.
+`take_pool_events`, with the last key each request's commit stored (its chain's *tail*: one per
+request that stored blocks in the interval, for run-granular publication, prefixpool/meta/runs.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable, Sequence as Seq
+from typing import Callable, NamedTuple, Sequence as Seq
 
 import torch
 
@@ -58,6 +59,12 @@ class RequestTooLarge(ValueError):
     """The request can never run here: too long for the model or the whole pool."""
 
 
+class PoolEvents(NamedTuple):
+    stored: list[BlockKey]
+    evicted: list[BlockKey]
+    tails: list[BlockKey]  # of stored: the last key each request's commit stored, in commit order
+
+
 class InvalidTokens(ValueError):
     """Prompt ids outside the model's vocabulary: embedding them would fail the whole batch (on CUDA, the device)."""
 
@@ -79,6 +86,7 @@ class Engine:
         self._in_flight: set[int] = set()
         self._next_id = 0
         self._pool_events: dict[BlockKey, bool] = {}   # key -> stored (True) or evicted, latest wins
+        self._tails: dict[BlockKey, None] = {}  # the last key of each commit that stored any (ordered set)
         self._refused: list[tuple[int, str]] = []
         self._failed: list[tuple[int, str]] = []
         self._deferred: set[int] = set()  # waiting, but not admissible yet (deferred)
@@ -140,14 +148,18 @@ class Engine:
     def num_running(self) -> int:
         return len(self.running)
 
-    def take_pool_events(self) -> tuple[list[BlockKey], list[BlockKey]]:
-        """(stored, evicted) keys since the last call, for publishing; disjoint, so order does not matter.
+    def take_pool_events(self) -> PoolEvents:
+        """(stored, evicted, tails) keys since the last call, for publishing; stored and evicted are disjoint.
 
         A key stored and evicted in the same interval counts as evicted (deleting an
-        unpublished key is harmless); evicted and stored again counts as stored.
+        unpublished key is harmless); evicted and stored again counts as stored. `tails`: the
+        stored keys that ended a request's commit (several requests in one step: one each).
         """
         events, self._pool_events = self._pool_events, {}
-        return [k for k, stored in events.items() if stored], [k for k, stored in events.items() if not stored]
+        tails, self._tails = self._tails, {}
+        return PoolEvents([k for k, stored in events.items() if stored],
+                          [k for k, stored in events.items() if not stored],
+                          [k for k in tails if events.get(k)])
 
     def take_refused(self) -> list[tuple[int, str]]:
         """(request id, reason) of requests dropped because blocks held outside any request (pins) left no room."""
@@ -310,8 +322,11 @@ class Engine:
             parent = seq.keys[-1] if seq.keys else self.namespace.root()
             block = seq.tokens[len(seq.keys) * self.block_size:num_full * self.block_size]
             seq.keys.extend(chain_from(parent, pack_tokens(block), self.block_size))
-        for key in self.blocks.commit(seq.hold, seq.num_committed, seq.keys[seq.num_committed:num_full]):
+        stored = self.blocks.commit(seq.hold, seq.num_committed, seq.keys[seq.num_committed:num_full])
+        for key in stored:
             self._record(key, stored=True)
+        if stored:
+            self._tails[stored[-1]] = None
         seq.num_committed = num_full
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent | None:

@@ -1,8 +1,8 @@
 """Block publication: what the node stores and evicts, into etcd, off the caller's path.
 
     publish(stored, removed)          caller (forward pass), never waits on etcd
-        │  run filter when run_blocks > 1 (prefixpool.meta.runs): run boundaries, the stored chain's
-        │    tail (stored's last key), and keys etcd holds (a tail moved to another tier, or evicted)
+        │  run filter when run_blocks > 1 (prefixpool.meta.runs): run boundaries, each stored chain's
+        │    tail (`tails`, else stored's last key), and keys etcd holds (a tail moved to another tier, or evicted)
         │  pending: {key: tier | None}   one entry per key, the latest op wins
         │  coalesced: an op that leaves the key as etcd will hold it is no op at all
         │    (store then remove of a key etcd never had -> nothing; remove then store
@@ -43,17 +43,19 @@ AllKeys = Callable[[], list[tuple[BlockKey, str]]]
 
 
 class PublishesBlocks(Protocol):
-    def publish(self, stored: Iterable[BlockKey] = ..., removed: Iterable[BlockKey] = ..., tier: str = ...) -> None: ...
+    def publish(self, stored: Iterable[BlockKey] = ..., removed: Iterable[BlockKey] = ..., tier: str = ...,
+                tails: Collection[BlockKey] | None = ...) -> None: ...
 
 
-def publish_placement(publisher: PublishesBlocks,
-                      placement: tuple[Mapping[str, list[BlockKey]], list[BlockKey]]) -> None:
-    """Each key in the tier that holds it now, or deleted where none does (NodeBlocks.placement's answer)."""
+def publish_placement(publisher: PublishesBlocks, placement: tuple[Mapping[str, list[BlockKey]], list[BlockKey]],
+                      tails: Collection[BlockKey] | None = None) -> None:
+    """Each key in the tier that holds it now, or deleted where none does (NodeBlocks.placement's answer);
+    `tails` as Publisher.publish takes them (None: each tier's last stored key)."""
     stored, removed = placement
     if removed:
         publisher.publish(removed=removed)
     for tier, tier_keys in stored.items():
-        publisher.publish(stored=tier_keys, tier=tier)
+        publisher.publish(stored=tier_keys, tier=tier, tails=tails)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@
                  before the failure stay cached, unheld. Never raises: the caller recomputes.
         either way every block it stored or evicted is published
     exchange.publish(keys)         each key in the fastest tier that holds it now, or deleted where none does
+    exchange.publish(keys, tails)  ... naming each stored chain's last key (run-granular publication: meta/runs.py)
     exchange.publish_changes()     every key whose tier changed since last asked (promote, demote, SSD writes)
     exchange.collect()             SSD writes finished in the background -> published
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Collection, Iterable, Protocol, Sequence
 
 from prefixpool.meta.publisher import PublishesBlocks, publish_placement
 from prefixpool.store.arena import KVArena
@@ -74,11 +75,12 @@ class BlockExchange:
         self.publish([*result.keys, *result.evicted])
         return Fetched(result.hold, result.num_blocks, result.num_bytes)
 
-    def publish(self, keys: Iterable[BlockKey]) -> None:
-        """Each key in the fastest tier that holds it now, or deleted when none does."""
+    def publish(self, keys: Iterable[BlockKey], tails: Collection[BlockKey] | None = None) -> None:
+        """Each key in the fastest tier that holds it now, or deleted when none does; `tails`: the stored chains'
+        last keys when the keys are several chains (None: the last key stored in each tier ends the one chain)."""
         keys = list(keys)
         if keys:
-            publish_placement(self.publisher, self.blocks.placement(keys))
+            publish_placement(self.publisher, self.blocks.placement(keys), tails)
 
     def publish_changes(self) -> None:
         self.publish(self.blocks.take_changes().keys())

@@ -241,8 +241,8 @@ class Worker:
         self._prefill_seconds += seconds
 
     def _publish_pool_events(self) -> None:
-        stored, evicted = self.engine.take_pool_events()
-        self.exchange.publish([*stored, *evicted, *self.blocks.take_changes().keys()])
+        stored, evicted, tails = self.engine.take_pool_events()  # tails: each request's chain's last key stored
+        self.exchange.publish([*stored, *evicted, *self.blocks.take_changes().keys()], tails)
 
     async def _refresh_soft_pins(self) -> None:
         while True:

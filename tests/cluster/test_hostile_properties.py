@@ -60,7 +60,7 @@ DEADLINES = ServerDeadlines(request_s=0.2, idle_s=0.2, stall_s=2.0)
 class _NoEtcd:
     """The worker's publisher without etcd: this module tests the worker's own front doors."""
 
-    def publish(self, stored=(), removed=(), tier="device") -> None:
+    def publish(self, stored=(), removed=(), tier="device", tails=None) -> None:
         pass
 
 

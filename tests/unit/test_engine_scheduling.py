@@ -146,17 +146,18 @@ def test_pool_events_report_stored_and_evicted_keys(model):
     engine = make_engine(model, num_blocks=8)
     prompt = tokens(12, 60)
     engine.generate(prompt, SamplingParams(max_tokens=1))
-    stored, evicted = engine.take_pool_events()
-    assert stored == chain(prompt, engine.namespace) and evicted == []
-    assert engine.take_pool_events() == ([], [])
+    stored, evicted, tails = engine.take_pool_events()
+    assert stored == chain(prompt, engine.namespace) and evicted == [] and tails == stored[-1:]
+    assert engine.take_pool_events() == ([], [], [])
     engine.generate(tokens(29, 61), SamplingParams(max_tokens=1))   # needs all 8 blocks
-    stored, evicted = engine.take_pool_events()
+    stored, evicted, _ = engine.take_pool_events()
     assert sorted(evicted) == sorted(chain(prompt, engine.namespace))
     assert all(engine.blocks.lookup(key) is not None for key in stored)
     engine.generate(prompt, SamplingParams(max_tokens=1))           # stores prompt's keys again ...
     engine.generate(tokens(29, 63), SamplingParams(max_tokens=1))   # ... and evicts them in the same interval
-    stored, evicted = engine.take_pool_events()
+    stored, evicted, tails = engine.take_pool_events()
     assert set(chain(prompt, engine.namespace)) <= set(evicted)     # the latest event wins
+    assert tails == stored[-1:]                                     # prompt's tail was evicted: not one any more
     assert stored == chain(tokens(29, 63), engine.namespace)
     assert not set(stored) & set(evicted)
     assert all(engine.blocks.lookup(key) is not None for key in stored)

@@ -60,7 +60,7 @@ def test_a_deferred_request_can_be_aborted(model):
 
 
 class _Published:
-    def publish(self, stored=(), removed=(), tier="device") -> None:
+    def publish(self, stored=(), removed=(), tier="device", tails=None) -> None:
         pass
 
 

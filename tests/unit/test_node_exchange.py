@@ -32,7 +32,7 @@ class Recorded:
     def __init__(self) -> None:
         self.tier: dict[bytes, str | None] = {}
 
-    def publish(self, stored=(), removed=(), tier=DEVICE) -> None:
+    def publish(self, stored=(), removed=(), tier=DEVICE, tails=None) -> None:
         self.tier.update((key, tier) for key in stored)
         self.tier.update((key, None) for key in removed)
 

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from prefixpool.meta import runs
 from prefixpool.meta.index import BlockIndex
-from prefixpool.store.keys import Namespace, chain_ids
+from prefixpool.store.keys import Namespace, chain, chain_ids
 
 KEYS = chain_ids(range(4096), Namespace("runs"))
 
@@ -152,3 +152,27 @@ def test_tails_never_match_more_than_per_block_and_as_much_at_a_stored_chain_end
     for node, num in exact.items():
         if keys[num - 1] in ends_at[node]:
             assert matched.get(node) == num
+
+
+def test_one_engine_step_storing_two_requests_chains_publishes_both_tails():
+    """The worker publishes a whole step's pool events at once: each request's chain keeps its own tail."""
+    from prefixpool.engine.checkpoint import random_model
+    from prefixpool.engine.sampling import SamplingParams
+    from prefixpool.model.config import preset
+    from prefixpool.node.exchange import BlockExchange
+    from tests.support.engine import make_engine, tokens
+
+    engine = make_engine(random_model(preset("tiny"), seed=2))
+    prompts = [tokens(20, 1), tokens(27, 2)]  # 5 and 6 full blocks of 4 tokens
+    for prompt in prompts:
+        engine.submit(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # both prompts prefill in this one step
+    stored, evicted, tails = engine.take_pool_events()
+    chains = [chain(prompt, engine.namespace) for prompt in prompts]
+    assert stored == [*chains[0], *chains[1]] and tails == [chains[0][-1], chains[1][-1]]
+    node = publisher(64)
+    BlockExchange(engine.blocks, engine.arena, node, fetcher=None).publish([*stored, *evicted], tails)
+    boundaries = {key for key in stored if runs.is_boundary(key, 64)}
+    assert not boundaries & set(tails) and set(node._pending) == boundaries | set(tails)
+    while engine.has_work():
+        engine.step()

@@ -98,7 +98,7 @@ def test_nan_temperature_is_refused_on_decode():
 
 
 class _NoEtcd:
-    def publish(self, stored=(), removed=(), tier="device") -> None:
+    def publish(self, stored=(), removed=(), tier="device", tails=None) -> None:
         pass
 
 
