@@ -11,6 +11,7 @@
     prefixpool up --vllm 2 --vllm-connector ...     # and they share KV through PrefixPoolConnector
     prefixpool up --vllm-prefill 1 --vllm-decode 1 --vllm-connector ...   # prefill/decode disaggregated vLLM
     prefixpool up --vllm 2 --lora-modules A=DIR --lora-nodes 1 ...   # LoRA adapter A on vllm-0 only
+    prefixpool up --publish-run-blocks 32 ...       # every worker, sidecar, connector and router alike
 
 Each component is the same `prefixpool etcd|worker|router` a deployment runs;
 components bind port 0 and announce their URL on a READY line. Knows nothing
@@ -21,17 +22,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 from prefixpool.deploy.etcd_server import EtcdServer
 from prefixpool.deploy.janitor import OwnedTempDir
 from prefixpool.deploy.processes import Child, python_argv, spawn
+from prefixpool.deploy.settings import env_name
 from prefixpool.deploy.vllm_fleet import (add_vllm_arguments, model_args, num_vllm_servers, on_node, roles_of,
                                           sidecar_args, vllm_config, vllm_temp_dir)
 from prefixpool.deploy.vllm_server import VllmConfig, VllmServer
+from prefixpool.meta.runs import check_run_blocks
 
 
 @dataclass
@@ -43,6 +48,7 @@ class LocalCluster:
     log_dir: Path | None = None
     etcd: EtcdServer | None = None
     num_index_shards: int = 1  # etcd servers the block keys spread over; self.etcd is shard 0
+    publish_run_blocks: int = 1  # every node publishes, every router and connector matches, per run (meta/runs.py)
     shard_etcds: list[EtcdServer] = field(default_factory=list)  # shards 1.. (none with one shard)
     num_prefill: int = 0  # our workers with --role prefill (prefill-i) and --role decode (decode-i), beside num_workers
     num_decode: int = 0
@@ -80,7 +86,8 @@ class LocalCluster:
 
     def _common(self) -> list[str]:
         shards = ["--etcd-shards", ";".join(s.endpoint for s in self.etcd_shards)] if self.shard_etcds else []
-        return ["--etcd-endpoints", self.etcd.endpoint, *shards]
+        runs = ["--publish-run-blocks", str(self.publish_run_blocks)] if self.publish_run_blocks > 1 else []
+        return ["--etcd-endpoints", self.etcd.endpoint, *shards, *runs]
 
     @property
     def etcd_shards(self) -> list[EtcdServer]:
@@ -107,12 +114,16 @@ class LocalCluster:
         config = self.vllm
         if self.lora_nodes is not None and node_id not in {f"vllm-{i}" for i in range(self.lora_nodes)}:
             config = dataclasses.replace(config, lora_modules=())
-        settings = {**self._shards_setting(), **self.connector_settings}
+        settings = {**self._shards_setting(), **self._runs_setting(), **self.connector_settings}
         return on_node(config, node_id, self.etcd.endpoint, self.vllm_connector, settings, self.vllm_roles[node_id])
 
     def _shards_setting(self) -> dict[str, str]:
         """The connector's etcd_shards with index shards (nothing without)."""
         return {"etcd_shards": ";".join(s.endpoint for s in self.etcd_shards)} if self.shard_etcds else {}
+
+    def _runs_setting(self) -> dict[str, int]:
+        """The connector's publish_run_blocks, as every other process gets it (nothing at 1, per block)."""
+        return {"publish_run_blocks": self.publish_run_blocks} if self.publish_run_blocks > 1 else {}
 
     @property
     def vllm_roles(self) -> dict[str, str]:
@@ -122,7 +133,7 @@ class LocalCluster:
     def start_sidecar(self, node_id: str) -> Child:
         server = self.vllm_servers[node_id]
         assert self.vllm is not None and self.etcd is not None
-        extra = (*self._common()[2:], *self.sidecar_args)  # --etcd-shards with index shards
+        extra = (*self._common()[2:], *self.sidecar_args)  # --etcd-shards, --publish-run-blocks when set
         argv = sidecar_args(node_id, server, self.etcd.endpoint, self.vllm, extra, self.vllm_roles[node_id])
         child = spawn(f"{node_id}-sidecar", python_argv(*argv), self.log_dir, self.env)
         self.sidecars[node_id] = child
@@ -191,6 +202,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default="", help="keep component logs here (default: a temp dir, removed at exit)")
     parser.add_argument("--index-shards", type=int, default=1,
                         help="etcd servers the block index spreads over by key hash (default 1; docs/how-it-works.md)")
+    parser.add_argument("--publish-run-blocks", type=int, default=None,
+                        help="publish and match one etcd key per run of about N blocks, on every worker, vLLM "
+                             f"sidecar and connector and the router (default: env {env_name('publish_run_blocks')}, "
+                             "else 1; docs/capacity.md)")
     parser.add_argument("--lora-nodes", type=int, default=None,
                         help="--lora-modules: load them on the first N vLLM servers only (default: all)")
     add_vllm_arguments(parser)
@@ -204,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
                            vllm=vllm_config(args), num_vllm=args.vllm, vllm_connector=args.vllm_connector,
                            num_vllm_prefill=args.vllm_prefill, num_vllm_decode=args.vllm_decode,
                            lora_nodes=args.lora_nodes, num_prefill=args.prefill, num_decode=args.decode,
-                           num_index_shards=args.index_shards)
+                           num_index_shards=args.index_shards, publish_run_blocks=run_blocks_of(args))
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     with cluster:
@@ -218,3 +233,12 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass  # Ctrl-C is the way to stop; the with-block stops every child
     return 0
+
+
+def run_blocks_of(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> int:
+    """`up`'s --publish-run-blocks, else the environment's, else 1 (SystemExit if not a power of two up to 256)."""
+    given = args.publish_run_blocks
+    try:
+        return check_run_blocks(given if given is not None else int(environ.get(env_name("publish_run_blocks"), "1")))
+    except ValueError as err:
+        raise SystemExit(f"--publish-run-blocks: {err}") from None

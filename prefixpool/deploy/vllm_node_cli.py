@@ -1,7 +1,8 @@
 """`prefixpool vllm-node`: the sidecar that makes one vLLM server a node of the cluster.
 
     vLLM /v1/models  -> the served name must be --model (it enters the block-key namespace)
-    VllmNode         -> record kind "vllm" under a lease, blocks from KV events (prefixpool/vllm_sidecar/node.py)
+    VllmNode         -> record kind "vllm" under a lease, blocks from KV events (prefixpool/vllm_sidecar/node.py),
+                        published per run of --publish-run-blocks N as the fleet's workers do (meta/runs.py)
     READY <vllm url> once registered
 
 SIGTERM or SIGINT revokes the lease: the node's blocks leave every router's index at once.
@@ -22,6 +23,7 @@ from prefixpool.deploy.vllm_node_settings import VllmNodeSettings
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.meta.membership import MembershipConfig, NodeRecord
+from prefixpool.meta.publisher import PublisherConfig
 from prefixpool.vllm_sidecar.event_stream import EventStream, StreamConfig
 from prefixpool.vllm_sidecar.node import KIND, HealthConfig, VllmNode
 from prefixpool.store.keys import Namespace
@@ -55,7 +57,8 @@ def build_node(settings: VllmNodeSettings, etcd: EtcdClient | list[EtcdClient]) 
     stream = EventStream(StreamConfig(settings.kv_events, settings.replay_endpoint, settings.kv_topic))
     return VllmNode(etcd, Layout(settings.cluster), record, namespace, stream,
                     MembershipConfig(ttl_s=settings.lease_ttl_s),
-                    HealthConfig(settings.health_period_s, settings.health_failures))
+                    HealthConfig(settings.health_period_s, settings.health_failures),
+                    PublisherConfig(run_blocks=settings.publish_run_blocks))
 
 
 async def serve(settings: VllmNodeSettings) -> None:

@@ -19,6 +19,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from prefixpool.meta.runs import check_run_blocks
 from prefixpool.meta.shards import parse_shards
 from prefixpool.store.keys import Namespace
 
@@ -48,6 +49,7 @@ class ConnectorConfig:
     ssd_write_through: bool = False  # also write every saved block to the SSD tier at once (needs the tier)
     async_load: bool = True  # blocks from a peer load in the background (vLLM's WAITING_FOR_REMOTE_KVS)
     lease_ttl_s: int = 10
+    publish_run_blocks: int = 1  # the fleet's --publish-run-blocks: the pool publishes, the lookups match, per run
     fetch_timeout_s: float = 5.0  # one peer fetch; past it the request recomputes
     lookup_timeout_s: float = 1.0  # the scheduler's wait for its etcd mirror's thread, per request
     fault_file: str = ""  # fault injection for tests: prefixpool/node/faults.py reads it per fetch served
@@ -85,6 +87,10 @@ def config_from(extra: Mapping[str, Any], engine_id: str = "") -> ConnectorConfi
         config.shard_endpoints()
     except ValueError as err:
         raise BadConnectorConfig(f"kv_connector_extra_config['etcd_shards']: {err}") from None
+    try:
+        check_run_blocks(config.publish_run_blocks)
+    except ValueError as err:
+        raise BadConnectorConfig(f"kv_connector_extra_config['publish_run_blocks']: {err}") from None
     if config.ssd_write_through and config.disk_tier_blocks <= 0:
         raise BadConnectorConfig("ssd_write_through needs an SSD tier (disk_tier_blocks > 0, disk_tier_dir)")
     return config

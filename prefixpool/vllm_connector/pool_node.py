@@ -14,7 +14,9 @@
                                    vLLM's reset of the connector's cache (new weights make the KV stale)
 
     etcd: record "<node>.pool" (kind vllm-pool, its transfer URL) under a lease of its own,
-          every block under that lease, in the tier that holds it (first tier = host-memory arena)
+          every block under that lease, in the tier that holds it (first tier = host-memory arena);
+          with publish_run_blocks N > 1 run boundaries and tails only (meta/runs.py): a save is one
+          request's chain, so its last key stored is the tail
 
 The transfer server, the lease, publishing, fetching and SSD collection are the
 node core's (prefixpool/node/core.py), the same our worker runs on; this module
@@ -87,7 +89,7 @@ def _node_config(config: ConnectorConfig) -> NodeConfig:
                       cluster=config.cluster,
                       transfer_url=f"{config.transfer}://{config.host}:{config.transfer_port}",
                       advertise_host=config.advertise_host, token=config.token, lease_ttl_s=config.lease_ttl_s,
-                      faults=Faults(fault_file=config.fault_file))
+                      publish_run_blocks=config.publish_run_blocks, faults=Faults(fault_file=config.fault_file))
 
 
 class PoolNode:

@@ -1,7 +1,8 @@
 """The connector's scheduler side: how much of a prompt the pool can supply, and what to load and save each step.
 
     get_num_new_matched_tokens(request, local)   keys of the prompt's full blocks (never its last token)
-        etcd mirror: longest prefix per node ─▶ this node's pool, else the pool holding the most
+        etcd mirror: longest prefix per node (per run of publish_run_blocks, as the pools publish: meta/runs.py)
+        ─▶ this node's pool, else the pool holding the most
         (a handoff from a prefill server counts its pool as holding what it saved, published yet or not)
         ─▶ plan (keys[:n], peer URL or "") and n·block_size − local tokens (0 when n ≤ local)
     update_state_after_alloc                      the plan becomes a load into the request's blocks [local, n)
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
+from prefixpool.meta.mirror import MirrorConfig
 from prefixpool.meta.sharded_mirror import index_mirror
 from prefixpool.vllm_connector.config import POOL_KIND, ConnectorConfig
 from prefixpool.vllm_connector.handoff import Handoff
@@ -86,7 +88,8 @@ class SchedulerSide:
         self.node_id = config.pool_node_id()
         self._loop = LoopThread("prefixpool-scheduler")
         self._clients = [EtcdClient(endpoints) for endpoints in config.shard_endpoints()]
-        self._mirror = index_mirror(self._clients, Layout(config.cluster))  # every index shard, when sharded
+        self._mirror = index_mirror(self._clients, Layout(config.cluster),  # every index shard, when sharded
+                                    MirrorConfig(run_blocks=config.publish_run_blocks))  # as the pools publish
         self._loop.run(self._mirror.start())
         self._plans: dict[str, tuple[Plan, int]] = {}  # request -> (plan, blocks vLLM computes itself)
         self._loads: dict[str, tuple[Plan, int, bool]] = {}  # ... and whether it loads in the background

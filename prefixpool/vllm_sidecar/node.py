@@ -2,7 +2,9 @@
 
     wait for vLLM /health ─▶ /v1/models: our model, and the LoRA adapters whose parent it is
                          ─▶ register (record kind "vllm", its adapters, lease) ─▶ loops:
-      events:  EventStream ─▶ Ledger.apply ─▶ Publisher.publish(stored, removed)
+      events:  EventStream ─▶ Ledger.apply ─▶ Publisher.publish(stored, removed)   one publish per KV event:
+               a BlockStored names one request's chain, so its last key stored is that chain's tail
+               (run-granular publication with the fleet's publish_run_blocks: prefixpool/meta/runs.py)
                RESET (history lost, vLLM restarted) ─▶ every key removed, relearn from here
       health:  GET /health every period; `max_failures` misses in a row ─▶ revoke the lease
                (etcd drops the record and every block now), clear; vLLM back ─▶ register again
@@ -29,6 +31,7 @@ from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.meta.load_report import report_load
 from prefixpool.meta.membership import MembershipConfig, NodeRecord
+from prefixpool.meta.publisher import PublisherConfig
 from prefixpool.meta.shards import node_index
 from prefixpool.vllm_sidecar.event_stream import EventStream, Reset
 from prefixpool.vllm_sidecar.ledger import Change, Ledger
@@ -58,13 +61,14 @@ class ModelMismatch(ValueError):
 class VllmNode:
     def __init__(self, client: EtcdClient | Sequence[EtcdClient], layout: Layout, record: NodeRecord,
                  namespace: Namespace, stream: EventStream, membership_config: MembershipConfig = MembershipConfig(),
-                 health: HealthConfig = HealthConfig()) -> None:  # fmt: skip
+                 health: HealthConfig = HealthConfig(),
+                 publisher_config: PublisherConfig = PublisherConfig()) -> None:  # fmt: skip
         self.ledger = Ledger(namespace)
         self.stream, self.health = stream, health
         clients = [client] if isinstance(client, EtcdClient) else list(client)  # one per index shard, shard 0 first
         self.membership, self.publisher = node_index(clients, layout, record,
                                                      lambda: [(k, DEVICE) for k in self.ledger.all_keys()],
-                                                     membership_config)  # fmt: skip
+                                                     membership_config, publisher_config)  # fmt: skip
         self.registered = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
 
