@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -170,15 +171,15 @@ def start_front(front: str, cluster: LocalCluster, log_dir: Path):
     return child.url, child
 
 
-def run_client(url: str, shape: Shape, model_dir: Path, work: Path) -> tuple[dict, dict]:
-    """vLLM's client against `url`: (its result JSON, the ideal hit rate of its prompts)."""
-    result, ideal = work / "result.json", work / "ideal.json"
+def run_client(url: str, shape: Shape, model_dir: Path, work: Path, name: str) -> tuple[dict, dict]:
+    """vLLM's client against `url`: (its result JSON, per request too, kept as `name`.json; the ideal hit rate)."""
+    result, ideal = work / f"{name}.json", work / "ideal.json"
     for path in (result, ideal):
         path.unlink(missing_ok=True)
     argv = [str(DEFAULT_PYTHON), str(REPO / "scripts" / "vllm_bench_client.py"), str(ideal),
             "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions", "--model", MODEL,
             "--tokenizer", str(model_dir), "--ignore-eos", "--disable-tqdm", "--percentile-metrics", "ttft,itl",
-            "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(work),
+            "--metric-percentiles", "50,90,99", "--save-result", "--save-detailed", "--result-dir", str(work),
             "--result-filename", result.name, *shape.client_flags()]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if done.returncode:
@@ -192,7 +193,7 @@ def run_arm(front: str, shape: Shape, cluster: LocalCluster, model_dir: Path, wo
     before = [scrape(u, (HITS, QUERIES, PREEMPTIONS)) for u in urls]
     url, process = start_front(front, cluster, work)
     try:
-        result, ideal = run_client(url, shape, model_dir, work)
+        result, ideal = run_client(url, shape, model_dir, work, f"result-{shape.name}-{front}-{time.time_ns()}")
     finally:
         process.stop()
     after = [scrape(u, (HITS, QUERIES, PREEMPTIONS)) for u in urls]
@@ -262,6 +263,8 @@ def parse_args() -> argparse.Namespace:
                         "(runs with it showed requests stalled for tens of seconds under every front; off by default)")
     parser.add_argument("--limit", type=int, default=0, help="at most this many prompts per run (0: the shape's)")
     parser.add_argument("--out", default="", help="also write the table, with this command, to this file")
+    parser.add_argument("--keep", default="", help="work in this directory and keep it: every process's log and "
+                        "each run's per-request results (result-SHAPE-FRONT-NS.json)")
     args = parser.parse_args()
     args.shapes = [SHAPES[s] for s in args.shapes.split(",")]
     if args.limit:
@@ -281,7 +284,9 @@ def main() -> None:
         out.write_text(f"`python scripts/bench_gateway.py {' '.join(sys.argv[1:])}`\n\n")
     for line in HEADER:
         emit(line, out)
-    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+    work = contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="bench-gateway-")
+    with work as tmp:
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         model_dir = Path(tmp) / "model"
         subprocess.run([str(DEFAULT_PYTHON), "-m", "prefixpool.testing.tiny_llama", str(model_dir),
                         "--max-position", "2048"], check=True, capture_output=True)

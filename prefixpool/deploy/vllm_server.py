@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Mapping, Protocol
 
 from prefixpool.deploy.vllm_sizing import kv_flags, without_kv_space
 
@@ -118,6 +118,21 @@ def child_env() -> dict[str, str]:
     return {**without_kv_space(os.environ), "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
+def unpinned_threads(env: Mapping[str, str]) -> dict[str, str]:
+    """vLLM CPU thread settings for a server that shares its machine, unless the environment sets its own.
+
+    vLLM's CPU backend pins its OpenMP threads by default ('auto'): every server on a machine to the
+    same cores (here: all to core 0, core 1 reserved). Two servers then share one core while the other
+    idles, and any busy process on it froze both for seconds: every request in flight stalled at once,
+    under any front (benchmarks/gateway.md). Unpinned, one thread each (what 'auto' gave each server on
+    this machine), the kernel spreads them. An operator who wants pinning sets VLLM_CPU_OMP_THREADS_BIND
+    per server (one server per machine or per pod: pinning is right there).
+    """
+    if "VLLM_CPU_OMP_THREADS_BIND" in env:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+
+
 def _own_group_dying_with_parent() -> None:
     os.setsid()
     import ctypes
@@ -156,6 +171,7 @@ class VllmServer:
         events, replay = f"ipc://{run_dir / name}-events", f"ipc://{run_dir / name}-replay"
         log_path = run_dir / f"{name}.log"
         env = child_env()
+        env.update(unpinned_threads(env))
         if temp is not None:
             env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(temp.path)
         with open(log_path, "wb") as log:

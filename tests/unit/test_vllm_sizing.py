@@ -1,4 +1,5 @@
-"""vLLM servers are sized by blocks or bytes: the argv and environment carry no fraction of any memory."""
+"""vLLM servers are sized by blocks or bytes: the argv and environment carry no fraction of any memory; servers
+sharing a machine are not pinned to one core."""
 
 import argparse
 import json
@@ -6,7 +7,7 @@ import json
 import pytest
 
 from prefixpool.deploy.vllm_fleet import add_vllm_arguments, vllm_config
-from prefixpool.deploy.vllm_server import DEFAULT_KV_BLOCKS, VllmConfig, argv, child_env
+from prefixpool.deploy.vllm_server import DEFAULT_KV_BLOCKS, VllmConfig, argv, child_env, unpinned_threads
 from prefixpool.deploy.vllm_sizing import KV_SPACE_ENV, KvSizeUnknown, block_bytes, kv_flags
 
 # prefixpool.testing.tiny_llama's geometry: 2 layers, hidden 128, 4 heads, 2 KV heads (head_dim 32)
@@ -88,3 +89,9 @@ def test_up_vllm_flags_size_by_blocks_or_gib(flags, num_blocks, kv_cache_bytes):
     add_vllm_arguments(parser)  # `prefixpool up --vllm` and `prefixpool ray up --vllm`
     config = vllm_config(parser.parse_args(["--vllm", "2", "--model-path", "/models/tiny", *flags]))
     assert (config.num_blocks, config.kv_cache_bytes) == (num_blocks, kv_cache_bytes)
+
+
+def test_servers_sharing_a_machine_run_unpinned_one_thread_each_unless_the_operator_says_otherwise():
+    assert unpinned_threads({}) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    assert unpinned_threads({"OMP_NUM_THREADS": "4"}) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "4"}
+    assert unpinned_threads({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}) == {}  # pinning chosen: left alone
