@@ -13,7 +13,9 @@ Each section is a function returning rows (metric, before, after), measured in t
                2 index shards, whose mirrors share one index (prefixpool/meta/sharded_mirror.py)
     shards     index shards (scripts/index_shard_churn.py): the churn steps against one etcd server and
                two, per-block and coalesced publication; its rows' columns are 1 and 2 etcd clusters
-               (or, where the metric says so, per-block and coalesced), and `fleet capacity (2 shards)`
+               (or, where the metric says so, per-block and coalesced), and `fleet capacity (2 shards)`;
+               per etcd server, the ops it was written and its CPU (/proc/<pid>/stat, Linux only): CPU per
+               1,000 ops, CPU / wall, and the GPUs one etcd core absorbs
 
     churn      block churn (stores + evictions/s) one etcd cluster absorbs with the router mirror's lag
                p99 < 100 ms, and `fleet capacity`: that churn over one Llama-3-8B H100's 3,125 block ops/s;

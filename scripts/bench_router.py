@@ -47,6 +47,7 @@ from prefixpool.router.service import Router, RouterConfig
 from prefixpool.model.tokenizer import load_tokenizer
 from prefixpool.router.worker_client import WorkerClient
 from prefixpool.store.keys import Namespace, chain
+from prefixpool.testing.proc_cpu import cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -217,18 +218,12 @@ def _post_ok(url: str, body: bytes) -> bool:
         return reply.status == 200
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads (/proc/<pid>/stat, clock ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_per_request(pids: dict[str, int], run, num_served: dict[str, int]) -> dict[str, float]:
     """CPU seconds each process spent per request it served while `run()` ran: load-independent,
     unlike latency on a shared machine (the null worker serves every path's requests)."""
-    before = {name: _cpu_s(pid) for name, pid in pids.items()}
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     run()
-    return {name: (_cpu_s(pid) - before[name]) / num_served[name] for name, pid in pids.items()}
+    return {name: (cpu_seconds(pid) - before[name]) / num_served[name] for name, pid in pids.items()}
 
 
 def added_latency(targets: dict[str, str], body: bytes, requests: int) -> dict[str, list[float]]:

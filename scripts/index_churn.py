@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from prefixpool.meta.layout import Layout
 from prefixpool.meta.membership import MembershipConfig, NodeRecord
 from prefixpool.meta.publisher import Publisher, PublisherConfig
 from prefixpool.testing.index_node import IndexNode
+from prefixpool.testing.proc_cpu import cpu_seconds
 
 GPU_TOKENS_PER_S = 25_000  # one Llama-3-8B H100 at full prefill
 BLOCK_TOKENS = 16
@@ -107,6 +109,11 @@ class Step:
     p50_ms: float
     p99_ms: float
     missing: int
+    # with etcd_pids given to offer(), over `window_s` (the churn and the flush after it): per shard, the etcd ops
+    # the publishers wrote there and its etcd server's CPU seconds
+    shard_ops: tuple[int, ...] = ()
+    etcd_cpu_s: tuple[float, ...] = ()
+    window_s: float = 0.0
 
     @property
     def sustained(self) -> bool:
@@ -126,20 +133,22 @@ def bench_node(endpoints: list[str], ns: str, node_id: str, setting: Setting) ->
 
 
 async def offer(endpoints: list[str], ns: str, setting: Setting, gpus: int, seconds: float,
-                compact: bool = False) -> Step:  # fmt: skip
+                compact: bool = False, etcd_pids: Sequence[int] = ()) -> Step:  # fmt: skip
     """One load step: `gpus` GPUs' churn for `seconds`, through NUM_NODES nodes publishing over len(endpoints)
     shards, lag seen by a mirror process watching all of them; `compact`: etcd's history up to the step's end
-    (keeps it from growing over the steps)."""
+    (keeps it from growing over the steps); `etcd_pids`: the shards' etcd server processes, whose CPU the
+    step records (Linux's /proc)."""
     mirror = subprocess.Popen([sys.executable, "-c", MIRROR_PROCESS, ";".join(endpoints), ns, str(setting.run_blocks)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert (await asyncio.wait_for(asyncio.to_thread(mirror.stdout.readline), 30)).strip() == "ready"
         nodes = [await bench_node(endpoints, ns, f"n{i}", setting).start() for i in range(NUM_NODES)]
         publishers = [node.publisher for node in nodes]
-        written_before = sum(p.num_written for p in publishers)
+        before = _etcd_counters(publishers, etcd_pids)
         published, num_stored, num_evicted, elapsed = await _churn(publishers, gpus, seconds, Layout(ns))
         targets = np.max([await node.revisions() for node in nodes], axis=0).tolist()
-        written = sum(p.num_written for p in publishers) - written_before
+        shard_ops, etcd_cpu_s, window_s = (now - then for now, then in zip(_etcd_counters(publishers, etcd_pids),
+                                                                           before))  # fmt: skip
         mirror.stdin.write(json.dumps(targets) + "\n")
         mirror.stdin.flush()
         seen = json.loads(await asyncio.wait_for(asyncio.to_thread(mirror.stdout.readline), 90))
@@ -153,8 +162,15 @@ async def offer(endpoints: list[str], ns: str, setting: Setting, gpus: int, seco
         mirror.wait(10)
     lags = np.array([seen[k] - t for k, t in published.items() if k in seen]) * 1e3
     p50, p99 = (np.quantile(lags, [0.5, 0.99]) if len(lags) else (float("inf"),) * 2)
-    return Step(gpus, num_stored / elapsed, (num_stored + num_evicted) / elapsed, written / elapsed, float(p50),
-                float(p99), len(published) - len(lags))
+    return Step(gpus, num_stored / elapsed, (num_stored + num_evicted) / elapsed, float(shard_ops.sum()) / elapsed,
+                float(p50), float(p99), len(published) - len(lags), tuple(shard_ops.tolist()),
+                tuple(etcd_cpu_s.tolist()), window_s)  # fmt: skip
+
+
+def _etcd_counters(publishers: list[Publisher], etcd_pids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, float]:
+    """(etcd ops written so far per shard over all nodes, CPU seconds so far per etcd server, time.monotonic())."""
+    per_node = [[shard.num_written for shard in getattr(p, "shards", [p])] for p in publishers]
+    return np.sum(per_node, axis=0), np.array([cpu_seconds(pid) for pid in etcd_pids], dtype=float), time.monotonic()
 
 
 def _stored(gpus: int, seconds: float) -> int:
