@@ -26,8 +26,19 @@ allocation evicts when the node has lower tiers). Under minimum residency an
 allocation can fail although enough blocks are free: the request waits for the
 next step, never for ever, since residency ends. Knows nothing of HTTP, etcd,
 tiers or transfers: it reports the keys it stored and evicted through
-`take_pool_events`, with the last key each request's commit stored (its chain's *tail*: one per
-request that stored blocks in the interval, for run-granular publication, prefixpool/meta/runs.py).
+`take_pool_events`, with chain *tails* for run-granular publication (prefixpool/meta/runs.py).
+
+A request's tail is named once, when its chain stops growing: when it is released (finished,
+aborted, failed, or dropped with its batch), the last key its commits stored, if it stored any,
+becomes a tail. Never at an intermediate prefill chunk or at each generated block that fills:
+that would cost an etcd put and a later delete per chunk and per generated block, the load
+run-granular publication exists to avoid. Not at the end of prefill either: the chain at the
+request's end is what the next turn of a conversation shares (previous prompt + answer + new
+message), and it covers the prompt; another request with the same prompt but a different
+continuation still matches through the prompt's last run boundary, losing only the partial run
+after it across nodes (this node reuses it from its own pool), for one tail per request and not two.
+A released request's blocks were held until then, so its tail is resident; one evicted again
+before `take_pool_events` is dropped.
 """
 
 from __future__ import annotations
@@ -62,7 +73,7 @@ class RequestTooLarge(ValueError):
 class PoolEvents(NamedTuple):
     stored: list[BlockKey]
     evicted: list[BlockKey]
-    tails: list[BlockKey]  # of stored: the last key each request's commit stored, in commit order
+    tails: list[BlockKey]  # of stored: the last key each request released since stored, in release order
 
 
 class InvalidTokens(ValueError):
@@ -86,7 +97,7 @@ class Engine:
         self._in_flight: set[int] = set()
         self._next_id = 0
         self._pool_events: dict[BlockKey, bool] = {}   # key -> stored (True) or evicted, latest wins
-        self._tails: dict[BlockKey, None] = {}  # the last key of each commit that stored any (ordered set)
+        self._tails: dict[BlockKey, None] = {}  # released requests' last keys stored (ordered set)
         self._refused: list[tuple[int, str]] = []
         self._failed: list[tuple[int, str]] = []
         self._deferred: set[int] = set()  # waiting, but not admissible yet (deferred)
@@ -153,13 +164,14 @@ class Engine:
 
         A key stored and evicted in the same interval counts as evicted (deleting an
         unpublished key is harmless); evicted and stored again counts as stored. `tails`: the
-        stored keys that ended a request's commit (several requests in one step: one each).
+        last key stored by each request released in the interval that is not evicted since (see
+        the module doc); one stored in an earlier interval is listed in `stored` again, last.
         """
         events, self._pool_events = self._pool_events, {}
-        tails, self._tails = self._tails, {}
-        return PoolEvents([k for k, stored in events.items() if stored],
+        tails, self._tails = [k for k in self._tails if events.get(k, True)], {}
+        return PoolEvents([*(k for k, stored in events.items() if stored), *(k for k in tails if k not in events)],
                           [k for k, stored in events.items() if not stored],
-                          [k for k in tails if events.get(k)])
+                          tails)
 
     def take_refused(self) -> list[tuple[int, str]]:
         """(request id, reason) of requests dropped because blocks held outside any request (pins) left no room."""
@@ -326,7 +338,7 @@ class Engine:
         for key in stored:
             self._record(key, stored=True)
         if stored:
-            self._tails[stored[-1]] = None
+            seq.last_stored = stored[-1]
         seq.num_committed = num_full
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent | None:
@@ -354,6 +366,9 @@ class Engine:
         self._failed.append((seq.request_id, why))
 
     def _release(self, seq: Sequence) -> None:
+        """Every end of an admitted request goes here: its chain stops growing, its last key stored is a tail."""
+        if seq.last_stored is not None:
+            self._tails[seq.last_stored] = None
         self.blocks.release(seq.hold)
         self.running.remove(seq)
         del self._sequences[seq.request_id]

@@ -44,6 +44,7 @@ class Sequence:
     num_computed: int = 0
     num_stored: int = 0
     num_committed: int = 0
+    last_stored: BlockKey | None = None  # the last key its commits stored: its chain's tail once it ends
     num_cached_tokens: int = 0
     first_token_at: float | None = None
     first_logits: torch.Tensor | None = None

@@ -26,7 +26,8 @@ still reuses those blocks itself, one by one, from its own pool, because local m
 never asks etcd. A key is deleted iff it was published: boundaries always, a tail when etcd
 holds it (the publisher knows: `known`); a tail moved to another tier is re-put there.
 A store of several chains in one publish names their tails (`tails`): the worker engine's
-per-step publish names each request's last key stored that step. Else its last key is the one tail:
+per-step publish names the last key stored by each request that ended in the step (once per
+request, when its chain stops growing: prefixpool/engine/scheduler.py). Else its last key is the one tail:
 the vLLM sidecar publishes each KV event (one request's chain) alone, the connector's pool each save.
 
     chain  k0 k1 k2 k3 k4 k5 k6 k7 k8 k9            stored by one request: k0..k9

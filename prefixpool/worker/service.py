@@ -241,7 +241,7 @@ class Worker:
         self._prefill_seconds += seconds
 
     def _publish_pool_events(self) -> None:
-        stored, evicted, tails = self.engine.take_pool_events()  # tails: each request's chain's last key stored
+        stored, evicted, tails = self.engine.take_pool_events()  # tails: the last key stored by each request that ended
         self.exchange.publish([*stored, *evicted, *self.blocks.take_changes().keys()], tails)
 
     async def _refresh_soft_pins(self) -> None:

@@ -165,6 +165,33 @@ def test_pool_events_report_stored_and_evicted_keys(model):
     assert_clean(engine)
 
 
+def test_a_request_names_its_tail_when_it_ends_unless_evicted_by_then(model):
+    engine = make_engine(model, num_blocks=8, chunk_size=8)
+    prompt = tokens(12, 64)
+    request_id = engine.submit(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    engine.step()                                                   # the prompt's 3 blocks stored, decoding
+    stored, evicted, tails = engine.take_pool_events()
+    assert stored == chain(prompt, engine.namespace) and evicted == [] and tails == []   # not ended: no tail
+    while engine.has_work():
+        engine.step()
+    stored, evicted, tails = engine.take_pool_events()
+    assert len(stored) == 1 and tails == stored                     # its last generated block: the one tail
+    assert engine.take_pool_events() == ([], [], [])
+    other = tokens(12, 66)
+    request_id = engine.submit(other, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    engine.step()                                                   # its prompt's 3 blocks stored
+    stored, _, tails = engine.take_pool_events()                    # (its allocation evicted older blocks)
+    assert stored == chain(other, engine.namespace) and tails == []
+    assert engine.abort(request_id)                                 # ends its chain: a tail ...
+    engine.generate(tokens(29, 65), SamplingParams(max_tokens=1))   # ... evicted in the same interval: none
+    stored, evicted, tails = engine.take_pool_events()
+    assert chain(other, engine.namespace)[-1] in evicted
+    assert tails == stored[-1:] and stored == chain(tokens(29, 65), engine.namespace)
+    assert_clean(engine)
+
+
 def test_keys_given_by_the_caller_are_used_as_is(model):
     engine = make_engine(model)
     prompt = tokens(13, 70)

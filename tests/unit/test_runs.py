@@ -154,19 +154,26 @@ def test_tails_never_match_more_than_per_block_and_as_much_at_a_stored_chain_end
             assert matched.get(node) == num
 
 
-def test_one_engine_step_storing_two_requests_chains_publishes_both_tails():
-    """The worker publishes a whole step's pool events at once: each request's chain keeps its own tail."""
+def engine_for_tails(chunk_size=512):
     from prefixpool.engine.checkpoint import random_model
-    from prefixpool.engine.sampling import SamplingParams
     from prefixpool.model.config import preset
-    from prefixpool.node.exchange import BlockExchange
-    from tests.support.engine import make_engine, tokens
+    from tests.support.engine import make_engine
 
-    engine = make_engine(random_model(preset("tiny"), seed=2))
+    return make_engine(random_model(preset("tiny"), seed=2), chunk_size=chunk_size)
+
+
+def test_one_engine_step_storing_two_requests_chains_publishes_both_tails():
+    """The worker publishes a whole step's pool events at once: each request ending in it keeps its own tail."""
+    from prefixpool.engine.sampling import SamplingParams
+    from prefixpool.node.exchange import BlockExchange
+    from tests.support.engine import tokens
+
+    engine = engine_for_tails()
     prompts = [tokens(20, 1), tokens(27, 2)]  # 5 and 6 full blocks of 4 tokens
     for prompt in prompts:
-        engine.submit(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.step()  # both prompts prefill in this one step
+        engine.submit(prompt, SamplingParams(max_tokens=1))
+    engine.step()  # both prompts prefill in this one step, and both requests finish in it
+    assert not engine.has_work()
     stored, evicted, tails = engine.take_pool_events()
     chains = [chain(prompt, engine.namespace) for prompt in prompts]
     assert stored == [*chains[0], *chains[1]] and tails == [chains[0][-1], chains[1][-1]]
@@ -174,5 +181,59 @@ def test_one_engine_step_storing_two_requests_chains_publishes_both_tails():
     BlockExchange(engine.blocks, engine.arena, node, fetcher=None).publish([*stored, *evicted], tails)
     boundaries = {key for key in stored if runs.is_boundary(key, 64)}
     assert not boundaries & set(tails) and set(node._pending) == boundaries | set(tails)
+
+
+def test_a_prefill_over_several_steps_publishes_no_tail_until_its_request_ends_then_one():
+    """Intermediate prefill chunks name no tail; the request's end names its last key stored, stored steps ago."""
+    from prefixpool.engine.sampling import SamplingParams
+    from prefixpool.node.exchange import BlockExchange
+    from tests.support.engine import tokens
+
+    engine = engine_for_tails(chunk_size=8)
+    prompt = tokens(42, 3)  # 10 full blocks of 4, prefilled 8 tokens a step
+    engine.submit(prompt, SamplingParams(max_tokens=2, ignore_eos=True))  # a decode fills no block
+    stored, steps = [], 0
     while engine.has_work():
         engine.step()
+        steps += 1
+        events = engine.take_pool_events()
+        if engine.has_work():
+            assert events.tails == [] and events.evicted == []
+            stored += events.stored
+    assert steps > 5 and stored == chain(prompt, engine.namespace)  # the last step stores no full block
+    assert events.tails == [stored[-1]] and events.stored == [stored[-1]]  # re-stated with its tail
+    node = publisher(64)
+    BlockExchange(engine.blocks, engine.arena, node, fetcher=None).publish(events.stored, events.tails)
+    assert list(node._pending) == [stored[-1]]
+
+
+def test_a_long_decode_publishes_no_tail_per_generated_block_only_its_last_at_the_end():
+    from prefixpool.engine.sampling import SamplingParams
+    from tests.support.engine import tokens
+
+    engine = engine_for_tails()
+    prompt = tokens(10, 4)
+    engine.submit(prompt, SamplingParams(max_tokens=30, ignore_eos=True))  # about 10 generated blocks fill
+    stored, tails = [], []
+    while engine.has_work():
+        engine.step()
+        events = engine.take_pool_events()
+        stored += events.stored
+        tails.append(events.tails)
+    assert len(set(stored)) == (10 + 30 - 1) // 4 and not any(tails[:-1])  # 2 prompt + 7 generated blocks
+    assert tails[-1] == [stored[-1]] and stored[-1] == stored[-2]  # the last block stored, re-stated at the end
+
+
+def test_an_abort_ends_a_chain_like_a_finish():
+    from prefixpool.engine.sampling import SamplingParams
+    from tests.support.engine import tokens
+
+    engine = engine_for_tails(chunk_size=8)
+    prompt = tokens(20, 5)
+    request_id = engine.submit(prompt, SamplingParams(max_tokens=9, ignore_eos=True))
+    engine.step()
+    engine.step()  # 16 of 20 prompt tokens: 4 blocks stored
+    assert engine.take_pool_events().tails == []
+    assert engine.abort(request_id)
+    last = chain(prompt, engine.namespace)[3]
+    assert engine.take_pool_events() == ([last], [], [last])
