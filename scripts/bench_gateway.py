@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from prefixpool.deploy.launcher import LocalCluster
 from prefixpool.deploy.processes import python_argv, spawn
 from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, VllmConfig
@@ -200,9 +202,25 @@ def run_arm(front: str, shape: Shape, cluster: LocalCluster, model_dir: Path, wo
     delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
     queries = [d[QUERIES] for d in delta]
     return {"front": front, "shape": shape.name, "result": result, "ideal": ideal["hit_rate"],
+            "hits": sum(d[HITS] for d in delta), "queries": queries,
             "hit_rate": sum(d[HITS] for d in delta) / max(sum(queries), 1),
             "split": max(queries) / max(sum(queries), 1), "preempted": sum(d[PREEMPTIONS] for d in delta),
             "load": os.getloadavg()[0]}
+
+
+def pooled(arms: list[dict]) -> dict:
+    """One front's rounds on one shape as one arm: hits over queries summed, percentiles over every request."""
+    results = [arm["result"] for arm in arms]
+    ttfts = [t * 1000 for r in results for t, ok in zip(r["ttfts"], r["errors"]) if not ok]
+    itls = [t * 1000 for r in results for per_request in r["itls"] for t in per_request]
+    queries = [sum(column) for column in zip(*(arm["queries"] for arm in arms))]
+    result = {"completed": sum(r["completed"] for r in results), "num_prompts": sum(r["num_prompts"] for r in results),
+              **{f"p{p}_ttft_ms": float(np.percentile(ttfts, p)) for p in (50, 90, 99) if ttfts},
+              **{f"p{p}_itl_ms": float(np.percentile(itls, p)) for p in (50, 99) if itls}}
+    return {**arms[0], "front": f"{arms[0]['front']}, {len(arms)} rounds pooled", "result": result,
+            "hit_rate": sum(arm["hits"] for arm in arms) / max(sum(queries), 1),
+            "split": max(queries) / max(sum(queries), 1), "preempted": sum(arm["preempted"] for arm in arms),
+            "load": sum(arm["load"] for arm in arms) / len(arms)}
 
 
 def row(arm: dict) -> str:
@@ -211,7 +229,8 @@ def row(arm: dict) -> str:
     def ms(metric: str, p: int) -> str:
         return f"{r.get(f'p{p}_{metric}_ms', float('nan')):,.1f}"
 
-    front = "sglang-router cache_aware" if arm["front"] == "sglang" else f"prefixpool {arm['front']}"
+    front = arm["front"].replace("sglang", "sglang-router cache_aware", 1)
+    front = front if front.startswith("sglang") else f"prefixpool {front}"
     return (f"| {arm['shape']} | {front} | {r['completed']}/{r['num_prompts']} | **{arm['hit_rate']:.3f}** | "
             f"{arm['ideal']:.3f} | {ms('ttft', 50)} | {ms('ttft', 90)} | {ms('ttft', 99)} | {ms('itl', 50)} | "
             f"{ms('itl', 99)} | {arm['split']:.2f} | {int(arm['preempted'])} | {arm['load']:.1f} |")
@@ -239,10 +258,14 @@ def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp
     with LocalCluster(num_workers=0, vllm=config, num_vllm=2, log_dir=tmp / f"logs-{shape.name}") as cluster:
         if warm:
             warm_up(cluster, shape)
+        arms: dict[str, list[dict]] = {front: [] for front in fronts}
         for round_no in range(repeat):
             order = fronts[round_no % len(fronts):] + fronts[:round_no % len(fronts)]
             for front in order:
-                emit(row(run_arm(front, shape, cluster, model_dir, tmp)), out)
+                arms[front].append(run_arm(front, shape, cluster, model_dir, tmp))
+                emit(row(arms[front][-1]), out)
+        for front in fronts if repeat > 1 else ():
+            emit(row(pooled(arms[front])), out)
 
 
 def emit(line: str, out: Path | None) -> None:
