@@ -58,7 +58,7 @@ def build_node(settings: VllmNodeSettings, etcd: EtcdClient | list[EtcdClient]) 
     return VllmNode(etcd, Layout(settings.cluster), record, namespace, stream,
                     MembershipConfig(ttl_s=settings.lease_ttl_s),
                     HealthConfig(settings.health_period_s, settings.health_failures),
-                    PublisherConfig(run_blocks=settings.publish_run_blocks))
+                    PublisherConfig(run_blocks=settings.publish_run_blocks), settings.tail_delay_s)
 
 
 async def serve(settings: VllmNodeSettings) -> None:

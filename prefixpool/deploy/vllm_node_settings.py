@@ -19,5 +19,7 @@ class VllmNodeSettings(CommonSettings):
     lease_ttl_s: int = setting(10, "etcd lease TTL; the node's blocks vanish this long after the sidecar dies")
     health_period_s: float = setting(1.0, "how often vLLM's /health is checked")
     health_failures: int = setting(3, "missed health checks in a row after which the node's lease is revoked")
+    tail_delay_s: float = setting(1.0, "with --publish-run-blocks > 1: a chain's last key is published as its "
+                                  "tail once the chain has not grown for this long (a request's end)")
     role: str = setting("both", "prefill/decode disaggregation: prefill (its connector is kv_producer), decode "
                         "(kv_consumer) or both (serves whole requests)")

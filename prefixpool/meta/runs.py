@@ -27,8 +27,10 @@ never asks etcd. A key is deleted iff it was published: boundaries always, a tai
 holds it (the publisher knows: `known`); a tail moved to another tier is re-put there.
 A store of several chains in one publish names their tails (`tails`): the worker engine's
 per-step publish names the last key stored by each request that ended in the step (once per
-request, when its chain stops growing: prefixpool/engine/scheduler.py). Else its last key is the one tail:
-the vLLM sidecar publishes each KV event (one request's chain) alone, the connector's pool each save.
+request, when its chain stops growing: prefixpool/engine/scheduler.py). The vLLM sidecar publishes each KV
+event naming no tail, and a chain's last key as one once no event has continued it for tail_delay_s (vLLM
+says no "request ended": prefixpool/vllm_sidecar/tails.py). Else its last key is the one tail: the connector's
+pool publishes each save.
 
     chain  k0 k1 k2 k3 k4 k5 k6 k7 k8 k9            stored by one request: k0..k9
     bound        *        *  *                       tail k9

@@ -5,6 +5,9 @@
     BlockRemoved(hashes)               the keys of those hashes
     AllBlocksCleared                   every key
 
+A named BlockStored also says which chain it grew: the key it continues (`parent`, the namespace
+root for a request's first block) and its last key (`last`), for the sidecar's pending tails.
+
 A stored block whose parent we never learned (an event lost for good, a
 subscriber that joined late) cannot be named by tokens: it is not advertised,
 nor anything chained below it. Under-advertising costs a missed hit; naming a
@@ -33,6 +36,8 @@ class BlockSizeMismatch(ValueError):
 class Change:
     stored: list[BlockKey] = field(default_factory=list)
     removed: list[BlockKey] = field(default_factory=list)
+    parent: BlockKey | None = None  # a named BlockStored's: the key its chain continues
+    last: BlockKey | None = None  # ... and its chain's last key (stored now or held already)
 
 
 class Ledger:
@@ -82,7 +87,7 @@ class Ledger:
             self.holders[key] = held + 1
             if not held:
                 stored.append(key)
-        return Change(stored=stored)
+        return Change(stored=stored, parent=parent, last=keys[-1] if keys else None)
 
     def _parent_key(self, event: BlockStored) -> bytes | None:
         if event.parent_block_hash is not None:

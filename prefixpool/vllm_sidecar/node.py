@@ -2,10 +2,14 @@
 
     wait for vLLM /health ─▶ /v1/models: our model, and the LoRA adapters whose parent it is
                          ─▶ register (record kind "vllm", its adapters, lease) ─▶ loops:
-      events:  EventStream ─▶ Ledger.apply ─▶ Publisher.publish(stored, removed)   one publish per KV event:
-               a BlockStored names one request's chain, so its last key stored is that chain's tail
-               (run-granular publication with the fleet's publish_run_blocks: prefixpool/meta/runs.py)
+      events:  EventStream ─▶ Ledger.apply ─▶ Publisher.publish(stored, removed)   one publish per KV event,
+               naming no tail (run-granular publication with the fleet's publish_run_blocks: meta/runs.py)
                RESET (history lost, vLLM restarted) ─▶ every key removed, relearn from here
+      tails:   (publish_run_blocks > 1) each BlockStored's last key waits in PendingTails until its chain
+               has not grown for `tail_delay_s` (a request's next chunk or generated block continues it),
+               then Publisher.publish(stored=due, tails=due); checked after each event batch and
+               every tail_delay_s / 2. A tail removed before then is never published. vLLM says no
+               "request ended", so a chain that stops growing is taken for one: one tail per request
       health:  GET /health every period; `max_failures` misses in a row ─▶ revoke the lease
                (etcd drops the record and every block now), clear; vLLM back ─▶ register again
                every `adapters_period_s`: /v1/models again; adapters loaded or unloaded at runtime
@@ -36,6 +40,7 @@ from prefixpool.meta.shards import node_index
 from prefixpool.vllm_sidecar.event_stream import EventStream, Reset
 from prefixpool.vllm_sidecar.ledger import Change, Ledger
 from prefixpool.vllm_sidecar.metrics import sample_load, sample_num_blocks
+from prefixpool.vllm_sidecar.tails import PendingTails
 from prefixpool.store.keys import Namespace
 from prefixpool.store.tier_names import DEVICE
 
@@ -62,8 +67,11 @@ class VllmNode:
     def __init__(self, client: EtcdClient | Sequence[EtcdClient], layout: Layout, record: NodeRecord,
                  namespace: Namespace, stream: EventStream, membership_config: MembershipConfig = MembershipConfig(),
                  health: HealthConfig = HealthConfig(),
-                 publisher_config: PublisherConfig = PublisherConfig()) -> None:  # fmt: skip
+                 publisher_config: PublisherConfig = PublisherConfig(),
+                 tail_delay_s: float = 1.0) -> None:  # fmt: skip
         self.ledger = Ledger(namespace)
+        # per block (run_blocks 1) every key is published anyway: no tails to wait for
+        self.tails = PendingTails(tail_delay_s) if publisher_config.run_blocks > 1 else None
         self.stream, self.health = stream, health
         clients = [client] if isinstance(client, EtcdClient) else list(client)  # one per index shard, shard 0 first
         self.membership, self.publisher = node_index(clients, layout, record,
@@ -84,6 +92,8 @@ class VllmNode:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._follow_events())
                 group.create_task(self._follow_health())
+                if self.tails is not None:
+                    group.create_task(self._follow_tails())
                 group.create_task(report_load(lambda: sample_load(self._session, self.vllm_url), self.membership,
                                               self.health.load_period_s))
         except BaseExceptionGroup as errors:
@@ -101,10 +111,27 @@ class VllmNode:
             _, batch = item
             for event in batch.events:
                 self._publish(self.ledger.apply(event))
+            self._publish_tails()
 
     def _publish(self, change: Change) -> None:
         if change.stored or change.removed:
-            self.publisher.publish(stored=change.stored, removed=change.removed)
+            self.publisher.publish(stored=change.stored, removed=change.removed, tails=())
+        self._follow_tails_of(change)
+
+    def _follow_tails_of(self, change: Change) -> None:
+        if self.tails is not None:
+            self.tails.follow(change)
+
+    def _publish_tails(self) -> None:
+        """The pending tails whose chains stopped growing, each published as a tail."""
+        if self.tails is not None and (due := self.tails.due()):
+            self.publisher.publish(stored=due, tails=due)
+
+    async def _follow_tails(self) -> None:
+        assert self.tails is not None
+        while True:
+            await asyncio.sleep(self.tails.delay_s / 2)
+            self._publish_tails()
 
     async def _follow_health(self) -> None:
         failures = 0
@@ -123,7 +150,7 @@ class VllmNode:
                 log.warning("vLLM at %s stopped answering: revoking node %s", self.vllm_url,
                             self.membership.record.node_id)
                 self.registered.clear()
-                self.ledger.clear()
+                self._follow_tails_of(self.ledger.clear())  # the lease's revocation deletes every key
                 await self.membership.stop()
             elif healthy and self.registered.is_set() and beat % adapters_every == 0:
                 await self._refresh_adapters()

@@ -1,8 +1,9 @@
 """Run-granular publication on the vLLM paths, without vLLM: the sidecar, `prefixpool up`, the connector's config.
 
 The sidecar publishes what its ledger learns from KV events through a real Publisher (never started: publish()
-only queues) set to the fleet's --publish-run-blocks; `up --publish-run-blocks N` hands N to every sidecar,
-worker and router by flag and to every connector by kv_connector_extra_config.
+only queues) set to the fleet's --publish-run-blocks, a chain's tail once it stops growing (a hand-moved clock);
+`up --publish-run-blocks N` hands N to every sidecar, worker and router by flag and to every connector by
+kv_connector_extra_config.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.store.keys import Namespace, chain
 from prefixpool.vllm_connector.config import BadConnectorConfig, config_from
 from prefixpool.vllm_sidecar.events import BlockRemoved, BlockStored, EventBatch
+from prefixpool.vllm_sidecar.ledger import Change
+from prefixpool.vllm_sidecar.tails import PendingTails
 
 B = 4
 RUN_BLOCKS = 8
@@ -49,25 +52,100 @@ def sidecar(run_blocks: int):
     return node
 
 
-def test_the_sidecar_publishes_boundaries_and_each_kv_events_tail():
+class Clock:
+    """The pending tails' clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sidecar_at(run_blocks: int, clock: Clock):
+    node = sidecar(run_blocks)
+    node.tails.clock = clock
+    return node
+
+
+def follow(node, *events) -> None:
+    node.stream = Events(*events)
+    asyncio.run(node._follow_events())
+
+
+def after(node, clock: Clock, seconds: float) -> None:
+    """`seconds` later, the periodic check of pending tails."""
+    clock.now += seconds
+    node._publish_tails()
+
+
+def decode_blocks(first: int, last: int) -> list[BlockStored]:
+    """One BlockStored per generated block that fills, as vLLM sends them: blocks first..last-1 of TOKENS."""
+    return [BlockStored([i], i - 1, TOKENS[i * B:(i + 1) * B], B) for i in range(first, last)]
+
+
+def test_the_sidecar_publishes_boundaries_at_once_and_a_chains_tail_once_it_stops_growing():
     keys = chain(TOKENS, NS)
     ends = runs.boundaries(keys, RUN_BLOCKS)
-    cut = next(i for i in range(30, 60) if i - 1 not in ends)  # the first request's tail is no boundary
-    assert 99 not in ends
-    node = sidecar(RUN_BLOCKS)
-    assert node.publisher.config.run_blocks == RUN_BLOCKS
-    node.stream = Events(BlockStored(list(range(cut)), None, TOKENS[:cut * B], B),  # a request's chain ...
-                         BlockStored(list(range(cut, 100)), cut - 1, TOKENS[cut * B:], B))  # ... its next turn's
-    asyncio.run(node._follow_events())
-    expected = {keys[i] for i in ends} | {keys[cut - 1], keys[99]}
-    assert set(node.publisher._pending) == expected and set(node.publisher._take()) == expected
-    node.stream = Events(BlockRemoved(list(range(cut, 100))))  # evicted: only what was published is deleted
-    asyncio.run(node._follow_events())
-    assert node.publisher._pending == dict.fromkeys([keys[i] for i in ends if i >= cut] + [keys[99]])
+    assert 99 not in ends and 29 not in ends
+    clock = Clock()
+    node = sidecar_at(RUN_BLOCKS, clock)
+    assert node.publisher.config.run_blocks == RUN_BLOCKS and node.tails.delay_s == 1.0  # --tail-delay-s
+    follow(node, BlockStored(list(range(30)), None, TOKENS[:120], B),  # prefill, two chunks ...
+           BlockStored(list(range(30, 60)), 29, TOKENS[120:240], B), *decode_blocks(60, 100))  # ... then decode
+    boundary_keys = {keys[i] for i in ends}
+    assert set(node.publisher._pending) == boundary_keys and len(node.tails) == 1
+    after(node, clock, 0.5)
+    assert set(node.publisher._pending) == boundary_keys
+    after(node, clock, 0.5)  # tail_delay_s (1 s) since the chain last grew: its last key, once
+    assert set(node.publisher._take()) == boundary_keys | {keys[99]} and len(node.tails) == 0
+    after(node, clock, 5.0)
+    assert not node.publisher._pending
+    follow(node, BlockRemoved(list(range(50, 100))))  # evicted: only what was published is deleted
+    assert node.publisher._pending == dict.fromkeys([keys[i] for i in ends if i >= 50] + [keys[99]])
+
+
+def test_a_chain_whose_pending_tail_is_evicted_publishes_no_tail():
+    keys = chain(TOKENS[:120], NS)
+    assert runs.boundaries(keys, RUN_BLOCKS)[-1] < 28
+    clock = Clock()
+    node = sidecar_at(RUN_BLOCKS, clock)
+    follow(node, BlockStored(list(range(30)), None, TOKENS[:120], B))
+    after(node, clock, 0.5)
+    follow(node, BlockRemoved([29]))  # the tail goes before the chain is taken as ended
+    after(node, clock, 5.0)
+    assert set(node.publisher._pending) == {keys[i] for i in runs.boundaries(keys, RUN_BLOCKS)}
+
+
+def test_two_chains_each_get_their_own_tail():
+    other = [t + 1000 for t in TOKENS[80:160]]  # a second request shares blocks 0..19, then goes its own way
+    keys, forked = chain(TOKENS[:152], NS), chain(TOKENS[:80] + other, NS)
+    assert not {keys[37], forked[39]} & {k for k in keys + forked if runs.is_boundary(k, RUN_BLOCKS)}
+    clock = Clock()
+    node = sidecar_at(RUN_BLOCKS, clock)
+    follow(node, BlockStored(list(range(30)), None, TOKENS[:120], B),
+           BlockStored(list(range(1000, 1020)), 19, other, B),  # continues block 19: no pending tail
+           BlockStored(list(range(30, 38)), 29, TOKENS[120:152], B))
+    after(node, clock, 1.0)
+    tails = set(node.publisher._pending) - {k for k in keys + forked if runs.is_boundary(k, RUN_BLOCKS)}
+    assert tails == {keys[37], forked[39]}
+
+
+def test_pending_tails_beyond_their_bound_are_due_oldest_first():
+    clock = Clock()
+    tails = PendingTails(1.0, max_pending=2, clock=clock)
+    for key in (b"a", b"b", b"c"):
+        tails.follow(Change(parent=b"root", last=key))
+        clock.now += 0.1
+    assert tails.due() == [b"a"] and len(tails) == 2
+    tails.follow(Change(parent=b"b", last=b"d"))  # b's chain went on
+    clock.now += 1.0
+    assert tails.due() == [b"c", b"d"]
 
 
 def test_a_sidecar_left_at_one_publishes_every_block():
     node = sidecar(1)
+    assert node.tails is None
     node.stream = Events(BlockStored(list(range(10)), None, TOKENS[:40], B))
     asyncio.run(node._follow_events())
     assert list(node.publisher._pending) == chain(TOKENS[:40], NS)
