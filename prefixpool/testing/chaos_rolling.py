@@ -25,7 +25,7 @@ import aiohttp
 from prefixpool.deploy.launcher import LocalCluster
 from prefixpool.deploy.processes import Child
 from prefixpool.testing.chaos_client import ApiClient
-from prefixpool.testing.chaos_faults import spawn_worker, wait_ready, wait_until
+from prefixpool.testing.chaos_faults import NotRecovered, spawn_worker, wait_ready, wait_until
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,11 @@ async def drain(child: Child, busy, busy_timeout_s: float = 30.0) -> DrainRecord
     async def has_work() -> bool:
         found.append(await busy(child))
         return found[-1] > 0
-    await wait_until(has_work, busy_timeout_s, f"{child.name} having work in flight", period_s=0.01)
+    try:
+        await wait_until(has_work, busy_timeout_s, f"{child.name} having work in flight", period_s=0.01)
+    except NotRecovered as err:
+        raise NotRecovered(f"{err} ({len(found)} polls answered, exit code {child.process.poll()}, "
+                           f"log tail: {child.log_path.read_text(errors='replace')[-2000:]!r})") from err
     began = time.monotonic()
     await asyncio.to_thread(child.stop)
     seconds = time.monotonic() - began

@@ -120,14 +120,21 @@ def restart_under_load(cluster, oracle: Oracle, restart) -> tuple[Tally, list]:
         client = balanced(cluster)
         stop = asyncio.Event()
         try:
-            load = asyncio.create_task(steady_load(client, PROMPTS, stop, 3, 600, stream_every=1,
+            load = asyncio.create_task(steady_load(client, PROMPTS, stop, 3, 5000, stream_every=1,
                                                    max_tokens=MAX_TOKENS, pause_s=0.05))
             await asyncio.sleep(0.5)
+            restarting = asyncio.create_task(restart(cluster, client))
             try:
-                records = await restart(cluster, client)
+                await asyncio.wait([restarting, load], return_when=asyncio.FIRST_COMPLETED)
+                # a load that ended first (out of requests, or raised) leaves nothing to drain: say so
+                assert restarting.done(), f"the load ended before the restarts did: {load!r}"
+                records = restarting.result()
                 await asyncio.sleep(1.0)  # requests after the last restart, too
             finally:
                 stop.set()
+                if not restarting.done():
+                    restarting.cancel()
+                    await asyncio.gather(restarting, return_exceptions=True)
             outcomes = await load
             await quiet_pools(cluster)
             return Tally.of(outcomes, oracle), records
