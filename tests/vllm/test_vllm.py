@@ -24,7 +24,8 @@ from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.meta.membership import MembershipConfig, NodeRecord
 from prefixpool.vllm_sidecar.event_stream import EventStream, StreamConfig
-from prefixpool.vllm_sidecar.events import BlockRemoved, BlockStored, AllBlocksCleared, decode_batch
+from prefixpool.vllm_sidecar.events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch,
+                                            encode_seq)
 from prefixpool.vllm_sidecar.node import HealthConfig, VllmNode
 from prefixpool.deploy.vllm_server import TOPIC, VllmConfig
 from prefixpool.model.tokenizer import load_tokenizer
@@ -43,10 +44,13 @@ SHARED = "The quick brown fox jumps over the lazy dog while the cat sleeps by th
 
 
 class EventLog:
-    """Every KV event batch one vLLM server publishes, collected by our own SUB socket (the oracle)."""
+    """Every KV event batch one vLLM server publishes (the oracle): collected by our own SUB socket, and
+    completed from vLLM's replay buffer (what the SUB missed: ZMQ's slow joiner, a lost batch)."""
 
-    def __init__(self, endpoint: str) -> None:
-        self.batches: list[tuple[int, object]] = []
+    def __init__(self, endpoint: str, replay: str) -> None:
+        self.batches: dict[int, object] = {}
+        self.errors: list[BaseException] = []
+        self.replay = replay
         self._context = zmq.Context()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
@@ -56,10 +60,38 @@ class EventLog:
         self._thread.start()
 
     def _collect(self) -> None:
-        while not self._stop.is_set():
-            if self._sub.poll(200):
-                _, seq, payload = self._sub.recv_multipart()
-                self.batches.append((int.from_bytes(seq, "big"), decode_batch(payload)))
+        try:
+            while not self._stop.is_set():
+                if self._sub.poll(200):
+                    _, seq, payload = self._sub.recv_multipart()
+                    self.batches[int.from_bytes(seq, "big")] = decode_batch(payload)
+        except Exception as error:  # the test's message shows it
+            self.errors.append(error)
+
+    def complete(self, timeout_ms: int = 10_000) -> int:
+        """Ask vLLM's replay buffer for every batch from seq 0; add those the SUB missed (their number)."""
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.connect(self.replay)
+        added = 0
+        try:
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            while dealer.poll(timeout_ms):
+                frames = dealer.recv_multipart()
+                if len(frames) != 4 or frames[2] == encode_seq(END_SEQ):
+                    return added
+                seq = int.from_bytes(frames[2], "big")
+                if seq not in self.batches:
+                    self.batches[seq] = decode_batch(frames[3])
+                    added += 1
+            raise TimeoutError(f"vLLM's replay endpoint {self.replay} did not finish in {timeout_ms} ms")
+        finally:
+            dealer.close(linger=0)
+
+    def describe(self) -> str:
+        seqs = sorted(self.batches)
+        missing = seqs[-1] + 1 - len(seqs) if seqs else 0
+        return (f"{len(seqs)} event batches, seqs {seqs[:1]}..{seqs[-1:]} with {missing} missing, "
+                f"{self.num_removed()} blocks removed, collector errors {self.errors}")
 
     def close(self) -> None:
         self._stop.set()
@@ -70,7 +102,7 @@ class EventLog:
     def held_keys(self) -> set[bytes]:
         """Stored minus removed, each key computed from the whole token prefix of its block."""
         prefix_of: dict[object, list[int]] = {}
-        for _, batch in sorted(self.batches, key=lambda b: b[0]):
+        for _, batch in sorted(self.batches.items(), key=lambda b: b[0]):
             for event in batch.events:
                 if isinstance(event, BlockStored):
                     tokens = [] if event.parent_block_hash is None else prefix_of[event.parent_block_hash]
@@ -84,7 +116,7 @@ class EventLog:
         return {chain(tokens, NAMESPACE)[-1] for tokens in prefix_of.values()}
 
     def num_removed(self) -> int:
-        return sum(len(e.block_hashes) for _, b in self.batches for e in b.events if isinstance(e, BlockRemoved))
+        return sum(len(e.block_hashes) for b in self.batches.values() for e in b.events if isinstance(e, BlockRemoved))
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +127,8 @@ def fleet(model_dir, tmp_path_factory):
     cluster = LocalCluster(num_workers=0, vllm=config, num_vllm=2, sidecar_args=("--lease-ttl-s", str(TTL_S)),
                            log_dir=tmp_path_factory.mktemp("fleet-logs"))
     with cluster:
-        cluster.events = EventLog(cluster.vllm_servers["vllm-0"].events)
-        time.sleep(1.0)  # ZMQ's slow joiner: the subscription must reach vLLM before the traffic does
+        server = cluster.vllm_servers["vllm-0"]
+        cluster.events = EventLog(server.events, server.replay)
         extra = {}
         for name, args in [("rr", ("--policy", "round_robin")), ("other-ns", ("--block-size", "64"))]:
             extra[name] = spawn(f"router-{name}", python_argv("router", "--port", "0", *cluster._common(),
@@ -317,27 +349,32 @@ def _load_reaches_every_router(fleet):
 
 
 def test_etcd_keys_equal_what_vllm_reported_stored_minus_removed(fleet):
-    """Our oracle subscribes after the sidecar (ZMQ's slow joiner): blocks stored before it listened are
-    etcd's and not the oracle's until vLLM evicts them (oldest first), so rounds go on until both agree."""
+    """Rounds of new prompts through a 160-block cache until vLLM has evicted, then etcd's keys for the
+    server must equal what it published: stored minus removed, every batch it ever sent."""
     url = fleet.vllm_servers["vllm-0"].url
     layout = Layout("default")
     held: set[bytes] = set()
-    for i in range(16):  # ~22 blocks a round through a 160-block cache: vLLM evicts, and says so
+    for i in range(24):  # ~19 blocks a round: vLLM evicts from round 8 on at the latest, and says so
         complete(url, f"Eviction round {i}: " + SHARED * 2, max_tokens=2)
-        if i < 7 or not fleet.events.num_removed():
+        if i < 7:
             continue
+        fleet.events.complete()
+        if not fleet.events.num_removed():
+            continue
+        expected = fleet.events.held_keys()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             _, kvs = etcdctl_get_prefix(fleet.etcd, layout.blocks_prefix.decode())
             held = {e.key for e in map(layout.parse_block, kvs) if e is not None and e.node_id == "vllm-0"}
-            if held == fleet.events.held_keys():
+            if held == expected:
                 break
             time.sleep(0.3)
-        if held == fleet.events.held_keys():
-            break
-    assert fleet.events.num_removed() > 0, f"no eviction reported in {len(fleet.events.batches)} event batches"
+        break
+    assert fleet.events.num_removed() > 0, f"no eviction reported after {i + 1} rounds: {fleet.events.describe()}"
     expected = fleet.events.held_keys()
-    assert held == expected and len(expected) > 20
+    assert held == expected and len(expected) > 20, (
+        f"etcd holds {len(held)} keys, vLLM reported {len(expected)} ({len(held - expected)} extra, "
+        f"{len(expected - held)} missing): {fleet.events.describe()}")
 
 
 def test_dropped_events_are_repaired_from_the_replay_endpoint(fleet):
