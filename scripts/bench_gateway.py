@@ -219,8 +219,8 @@ def pooled(arms: list[dict]) -> dict:
               **{f"p{p}_itl_ms": float(np.percentile(itls, p)) for p in (50, 99) if itls}}
     return {**arms[0], "front": f"{arms[0]['front']}, {len(arms)} rounds pooled", "result": result,
             "hit_rate": sum(arm["hits"] for arm in arms) / max(sum(queries), 1),
-            "split": max(queries) / max(sum(queries), 1), "preempted": sum(arm["preempted"] for arm in arms),
-            "load": sum(arm["load"] for arm in arms) / len(arms)}
+            "split": sum(arm["split"] for arm in arms) / len(arms),  # per round: a front may favour another server
+            "preempted": sum(arm["preempted"] for arm in arms), "load": sum(arm["load"] for arm in arms) / len(arms)}
 
 
 def row(arm: dict) -> str:
@@ -253,8 +253,9 @@ def warm_up(cluster: LocalCluster, shape: Shape) -> None:
 
 
 def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp: Path, out: Path | None,
-              warm: bool) -> None:
-    config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks)
+              warm: bool, worker_nice: int) -> None:
+    config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks,
+                        worker_nice=worker_nice)
     with LocalCluster(num_workers=0, vllm=config, num_vllm=2, log_dir=tmp / f"logs-{shape.name}") as cluster:
         if warm:
             warm_up(cluster, shape)
@@ -284,6 +285,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1, help="rounds of the fronts per shape, rotated")
     parser.add_argument("--warm-up", action="store_true", help="send each fresh fleet a few prompts first "
                         "(runs with it showed requests stalled for tens of seconds under every front; off by default)")
+    parser.add_argument("--vllm-worker-nice", type=int, default=0, help="run each vLLM server's model worker at "
+                        "this niceness (`prefixpool up --vllm-worker-nice`): it spins for 1 s after every step, so "
+                        "> 0 lets the fronts, the client, vLLM's API servers and the other server go first")
     parser.add_argument("--limit", type=int, default=0, help="at most this many prompts per run (0: the shape's)")
     parser.add_argument("--out", default="", help="also write the table, with this command, to this file")
     parser.add_argument("--keep", default="", help="work in this directory and keep it: every process's log and "
@@ -314,7 +318,7 @@ def main() -> None:
         subprocess.run([str(DEFAULT_PYTHON), "-m", "prefixpool.testing.tiny_llama", str(model_dir),
                         "--max-position", "2048"], check=True, capture_output=True)
         for shape in args.shapes:
-            run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out, args.warm_up)
+            run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out, args.warm_up, args.vllm_worker_nice)
     emit("", out)
     for shape in args.shapes:
         emit(f"- {shape.name}: {shape.describe()}", out)

@@ -90,6 +90,9 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--vllm: LoRA adapters every vLLM server loads (vLLM's --enable-lora --lora-modules); "
                         "their sidecars advertise them and the router routes a request naming one to those servers")
     parser.add_argument("--max-lora-rank", type=int, default=16, help="--vllm: the largest rank among --lora-modules")
+    parser.add_argument("--vllm-worker-nice", type=int, default=0, help="--vllm: run each server's model worker "
+                        "at this niceness (it spins for 1 s after every step): on a CPU host shared with the router, "
+                        "the sidecars and other servers, > 0 lets them go first (0: as vLLM starts it)")
 
 
 def num_vllm_servers(args: argparse.Namespace) -> int:
@@ -108,7 +111,7 @@ def vllm_config(args: argparse.Namespace) -> VllmConfig | None:
     return VllmConfig(args.model_path, args.model or Path(args.model_path).name, args.block_size,
                       num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, python=args.vllm_python,
                       lora_modules=lora_modules(args.lora_modules), max_lora_rank=args.max_lora_rank,
-                      extra_args=tuple(args.vllm_arg))
+                      worker_nice=args.vllm_worker_nice, extra_args=tuple(args.vllm_arg))
 
 
 def lora_modules(specs: list[str]) -> tuple[tuple[str, str], ...]:

@@ -23,6 +23,7 @@ Knows nothing of etcd or the router.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -34,11 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Protocol
 
+from prefixpool.deploy.priority import renice_group
 from prefixpool.deploy.vllm_sizing import kv_flags, without_kv_space
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 TOPIC = "kv"
+WORKER_NAME = "VLLM::Worker"  # vLLM 0.32's name for its model worker process (mp executor)
+log = logging.getLogger(__name__)
 DEFAULT_KV_BLOCKS = 1024  # 32k tokens of 32-token blocks: the tiny CPU model's 32 MiB, an 8B model's 4 GiB in bf16
 
 
@@ -67,6 +71,7 @@ class VllmConfig:
     kv_transfer_config: str = ""  # JSON for --kv-transfer-config (connector_config.kv_transfer_json); "" = none
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter dir): --enable-lora --lora-modules NAME=DIR
     max_lora_rank: int = 16  # --max-lora-rank: the largest rank among the adapters
+    worker_nice: int = 0  # niceness of its model worker, which spins for 1 s after each step (docs/vllm.md)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -148,6 +153,7 @@ class VllmServer:
     replay: str
     log_path: Path
     temp: TempDir | None = None
+    worker_nice: int = 0
 
     @classmethod
     def start(cls, config: VllmConfig, run_dir: Path, name: str = "vllm", timeout_s: float = 600.0,
@@ -180,7 +186,7 @@ class VllmServer:
                                        preexec_fn=_own_group_dying_with_parent)
         if temp is not None:
             temp.kill_group_if_orphaned(process.pid)  # its own group: setsid in the child
-        return cls(process, f"http://{bound_host(config)}:{port}", events, replay, log_path, temp)
+        return cls(process, f"http://{bound_host(config)}:{port}", events, replay, log_path, temp, config.worker_nice)
 
     @property
     def pid(self) -> int:
@@ -199,11 +205,17 @@ class VllmServer:
             if self.process.poll() is not None:
                 break
             if self.healthy():
+                self._renice_worker()
                 return
             time.sleep(1.0)
         self.stop()
         tail = self.log_path.read_text(errors="replace")[-3000:]
         raise VllmFailed(f"vLLM did not become healthy (exit {self.process.returncode}); log tail:\n{tail}")
+
+    def _renice_worker(self) -> None:
+        """vLLM's model worker (it spins for 1 s after every step) to worker_nice; its other processes as they are."""
+        if self.worker_nice and not renice_group(self.process.pid, WORKER_NAME, self.worker_nice):
+            log.warning("no %s process in vLLM's group %d: its worker runs at normal priority", WORKER_NAME, self.pid)
 
     def kill(self) -> None:
         """SIGKILL the whole process group (API server and engine core): a crash, for tests."""

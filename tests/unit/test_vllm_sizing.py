@@ -41,6 +41,14 @@ def test_the_same_config_gives_the_same_argv_on_any_machine(model):
     assert not any(value.replace(".", "", 1).isdigit() and "." in value for value in argv(config, 1, "e", "r"))
 
 
+def test_up_passes_the_worker_niceness():
+    parser = argparse.ArgumentParser()
+    add_vllm_arguments(parser)
+    args = ["--vllm", "2", "--model-path", "/models/tiny"]
+    assert vllm_config(parser.parse_args(args)).worker_nice == 0
+    assert vllm_config(parser.parse_args([*args, "--vllm-worker-nice", "19"])).worker_nice == 19
+
+
 def test_bytes_alone_let_vllm_fit_the_blocks(model):
     args = argv(VllmConfig(model, "tiny", num_blocks=None, kv_cache_bytes=3 << 30), 1, "e", "r")
     assert "--num-gpu-blocks-override" not in args
