@@ -13,6 +13,7 @@ directory of the test's own, so leftovers are seen exactly.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -32,10 +33,15 @@ RAY = str(Path(sys.executable).parent / "ray")
 ETCD_PORT = 2379  # inside the head's own namespace: no other etcd can hold it
 
 
+# One token for the whole cluster, as an operator shares one across machines: Ray enables token auth only where
+# ~/.ray/auth_token exists (a fresh machine has none), so the test neither relies on nor writes the user's.
+CLUSTER_TOKEN = secrets.token_hex(32)
+
+
 def ray_env(tmpdir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}  # it forbids multi-node
-    return {**env, "TMPDIR": str(tmpdir), "RAY_AUTH_MODE": "token", "PREFIXPOOL_LEASE_TTL_S": "3",
-            "PREFIXPOOL_NUM_BLOCKS": "256"}
+    return {**env, "TMPDIR": str(tmpdir), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": CLUSTER_TOKEN,
+            "PREFIXPOOL_LEASE_TTL_S": "3", "PREFIXPOOL_NUM_BLOCKS": "256"}
 
 
 def run_in(host, argv: list[str], env: dict[str, str], timeout_s: float = 240) -> str:
