@@ -253,9 +253,9 @@ def warm_up(cluster: LocalCluster, shape: Shape) -> None:
 
 
 def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp: Path, out: Path | None,
-              warm: bool, worker_nice: int) -> None:
-    config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks,
-                        worker_nice=worker_nice)
+              warm: bool, server: dict) -> None:
+    """`server`: VllmConfig fields for both servers (worker_nice, spin_s)."""
+    config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks, **server)
     with LocalCluster(num_workers=0, vllm=config, num_vllm=2, log_dir=tmp / f"logs-{shape.name}") as cluster:
         if warm:
             warm_up(cluster, shape)
@@ -288,6 +288,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm-worker-nice", type=int, default=0, help="run each vLLM server's model worker at "
                         "this niceness (`prefixpool up --vllm-worker-nice`): it spins for 1 s after every step, so "
                         "> 0 lets the fronts, the client, vLLM's API servers and the other server go first")
+    parser.add_argument("--vllm-spin-s", type=float, default=None, help="bound how long each vLLM server's "
+                        "processes spin after a message (`prefixpool up --vllm-spin-s`; vLLM's own: 1 s)")
     parser.add_argument("--limit", type=int, default=0, help="at most this many prompts per run (0: the shape's)")
     parser.add_argument("--out", default="", help="also write the table, with this command, to this file")
     parser.add_argument("--keep", default="", help="work in this directory and keep it: every process's log and "
@@ -318,7 +320,8 @@ def main() -> None:
         subprocess.run([str(DEFAULT_PYTHON), "-m", "prefixpool.testing.tiny_llama", str(model_dir),
                         "--max-position", "2048"], check=True, capture_output=True)
         for shape in args.shapes:
-            run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out, args.warm_up, args.vllm_worker_nice)
+            run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out, args.warm_up,
+                      {"worker_nice": args.vllm_worker_nice, "spin_s": args.vllm_spin_s})
     emit("", out)
     for shape in args.shapes:
         emit(f"- {shape.name}: {shape.describe()}", out)

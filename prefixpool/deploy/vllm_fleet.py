@@ -93,6 +93,10 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-worker-nice", type=int, default=0, help="--vllm: run each server's model worker "
                         "at this niceness (it spins for 1 s after every step): on a CPU host shared with the router, "
                         "the sidecars and other servers, > 0 lets them go first (0: as vLLM starts it)")
+    parser.add_argument("--vllm-spin-s", type=float, default=None, metavar="SECONDS",
+                        help="--vllm: how long each server's processes spin on their shared-memory queues after a "
+                        "message before they sleep (vLLM 0.32: 1 s, a core each while a server gets a request a "
+                        "second); e.g. 0.002 where CPU servers share a machine (prefixpool/vllm_connector/serve.py)")
 
 
 def num_vllm_servers(args: argparse.Namespace) -> int:
@@ -111,7 +115,7 @@ def vllm_config(args: argparse.Namespace) -> VllmConfig | None:
     return VllmConfig(args.model_path, args.model or Path(args.model_path).name, args.block_size,
                       num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, python=args.vllm_python,
                       lora_modules=lora_modules(args.lora_modules), max_lora_rank=args.max_lora_rank,
-                      worker_nice=args.vllm_worker_nice, extra_args=tuple(args.vllm_arg))
+                      worker_nice=args.vllm_worker_nice, spin_s=args.vllm_spin_s, extra_args=tuple(args.vllm_arg))
 
 
 def lora_modules(specs: list[str]) -> tuple[tuple[str, str], ...]:

@@ -37,6 +37,7 @@ from typing import Mapping, Protocol
 
 from prefixpool.deploy.priority import renice_group
 from prefixpool.deploy.vllm_sizing import kv_flags, without_kv_space
+from prefixpool.vllm_connector.serve import SPIN_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -72,6 +73,7 @@ class VllmConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter dir): --enable-lora --lora-modules NAME=DIR
     max_lora_rank: int = 16  # --max-lora-rank: the largest rank among the adapters
     worker_nice: int = 0  # niceness of its model worker, which spins for 1 s after each step (docs/vllm.md)
+    spin_s: float | None = None  # that spin bounded to this many seconds (None: vLLM's 1 s; vllm_connector/serve.py)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -96,7 +98,8 @@ def free_port() -> int:
 def argv(config: VllmConfig, port: int, events: str, replay: str) -> list[str]:
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                  "replay_endpoint": replay, "topic": TOPIC}
-    args = [config.python, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model_path,
+    entry = "prefixpool.vllm_connector.serve" if config.spin_s is not None else "vllm.entrypoints.openai.api_server"
+    args = [config.python, "-m", entry, "--model", config.model_path,
             "--served-model-name", config.served_name, "--host", bound_host(config), "--port", str(port),
             "--block-size", str(config.block_size), "--dtype", config.dtype,
             "--max-model-len", str(config.max_model_len),
@@ -178,6 +181,8 @@ class VllmServer:
         log_path = run_dir / f"{name}.log"
         env = child_env()
         env.update(unpinned_threads(env))
+        if config.spin_s is not None:
+            env[SPIN_ENV] = repr(config.spin_s)
         if temp is not None:
             env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(temp.path)
         with open(log_path, "wb") as log:

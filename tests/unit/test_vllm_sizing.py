@@ -49,6 +49,17 @@ def test_up_passes_the_worker_niceness():
     assert vllm_config(parser.parse_args([*args, "--vllm-worker-nice", "19"])).worker_nice == 19
 
 
+def test_a_bounded_spin_starts_vllm_through_our_entry(model):
+    parser = argparse.ArgumentParser()
+    add_vllm_arguments(parser)
+    args = ["--vllm", "2", "--model-path", model]
+    plain = vllm_config(parser.parse_args(args))
+    assert plain.spin_s is None and argv(plain, 1, "e", "r")[2] == "vllm.entrypoints.openai.api_server"
+    bounded = vllm_config(parser.parse_args([*args, "--vllm-spin-s", "0.002"]))
+    assert bounded.spin_s == 0.002 and argv(bounded, 1, "e", "r")[2] == "prefixpool.vllm_connector.serve"
+    assert argv(bounded, 1, "e", "r")[3:] == argv(plain, 1, "e", "r")[3:]
+
+
 def test_bytes_alone_let_vllm_fit_the_blocks(model):
     args = argv(VllmConfig(model, "tiny", num_blocks=None, kv_cache_bytes=3 << 30), 1, "e", "r")
     assert "--num-gpu-blocks-override" not in args
