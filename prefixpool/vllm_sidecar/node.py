@@ -1,7 +1,8 @@
 """A vLLM server as a prefixpool node: its etcd record and lease, its blocks learned from KV events.
 
     wait for vLLM /health ─▶ /v1/models: our model, and the LoRA adapters whose parent it is
-                         ─▶ register (record kind "vllm", its adapters, lease) ─▶ loops:
+                         ─▶ register (record kind "vllm", its adapters, lease; etcd out of reach:
+                            again at the next health beat) ─▶ loops:
       events:  EventStream ─▶ Ledger.apply ─▶ Publisher.publish(stored, removed)   one publish per KV event,
                naming no tail (run-granular publication with the fleet's publish_run_blocks: meta/runs.py)
                RESET (history lost, vLLM restarted) ─▶ every key removed, relearn from here
@@ -31,7 +32,7 @@ from typing import Sequence
 import aiohttp
 import msgspec
 
-from prefixpool.meta.etcd_client import EtcdClient
+from prefixpool.meta.etcd_client import EtcdClient, EtcdUnavailable
 from prefixpool.meta.layout import Layout
 from prefixpool.meta.load_report import report_load
 from prefixpool.meta.membership import MembershipConfig, NodeRecord
@@ -143,9 +144,7 @@ class VllmNode:
                 num_blocks = await sample_num_blocks(self._session, self.vllm_url)  # None: 0, size not said
                 self.membership.record = msgspec.structs.replace(self.membership.record, adapters=adapters,
                                                                  num_blocks=num_blocks or 0)
-                await self.membership.start()
-                self.registered.set()
-                log.info("vLLM at %s is up: node %s registered", self.vllm_url, self.membership.record.node_id)
+                await self._register()
             elif failures >= self.health.max_failures and self.registered.is_set():
                 log.warning("vLLM at %s stopped answering: revoking node %s", self.vllm_url,
                             self.membership.record.node_id)
@@ -155,6 +154,17 @@ class VllmNode:
             elif healthy and self.registered.is_set() and beat % adapters_every == 0:
                 await self._refresh_adapters()
             await asyncio.sleep(self.health.period_s)
+
+    async def _register(self) -> None:
+        """Register vLLM's node; etcd out of reach (down, or too slow to answer) leaves it for the next beat."""
+        try:
+            await self.membership.start()
+        except EtcdUnavailable as error:
+            log.warning("vLLM at %s is up but etcd is out of reach (%s): registering node %s at the next beat",
+                        self.vllm_url, error, self.membership.record.node_id)
+            return
+        self.registered.set()
+        log.info("vLLM at %s is up: node %s registered", self.vllm_url, self.membership.record.node_id)
 
     async def _refresh_adapters(self) -> None:
         adapters = await self._served_adapters()
