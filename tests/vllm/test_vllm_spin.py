@@ -2,7 +2,7 @@
 its worker and engine core stop spinning once the requests end.
 
 vLLM 0.32's own setting spins each of them on sched_yield for a second after every message: about a
-second of CPU each after the last request. Bounded to 2 ms, both together must use under a quarter
+second of CPU each after the last request. Bounded to 20 ms, both together must use under a quarter
 of that (CPU seconds from /proc, not wall time) while the server idles, which they can only do if the
 bound reached the processes vLLM started (forked or spawned).
 """
@@ -33,7 +33,7 @@ def complete(url: str, prompt: list[int]) -> dict:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    started = VllmServer.start(VllmConfig(str(model_dir), "tiny-vllm", num_blocks=160, spin_s=0.002),
+    started = VllmServer.start(VllmConfig(str(model_dir), "tiny-vllm", num_blocks=160, spin_s=0.02),
                                tmp_path_factory.mktemp("spin"), "spin")
     yield started
     started.stop()
@@ -54,4 +54,5 @@ def test_its_worker_and_engine_core_stop_spinning_after_the_requests(server):
     before = sum(cpu_seconds(pid) for pid in spinners)
     time.sleep(IDLE_WINDOW_S)  # a window to count CPU in, not a timing assertion
     spent = sum(cpu_seconds(pid) for pid in spinners) - before
+    print(f"worker + engine core: {spent:.3f} CPU s in the {IDLE_WINDOW_S} s after the requests")
     assert spent < 0.25, f"worker + engine core used {spent:.2f} CPU s in the {IDLE_WINDOW_S} s after the requests"
