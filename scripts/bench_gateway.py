@@ -39,6 +39,7 @@ import numpy as np
 
 from prefixpool.deploy.launcher import LocalCluster
 from prefixpool.deploy.processes import python_argv, spawn
+from prefixpool.deploy.vllm_fleet import DEFAULT_SPIN_S, spin_seconds
 from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, VllmConfig
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
@@ -288,8 +289,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm-worker-nice", type=int, default=0, help="run each vLLM server's model worker at "
                         "this niceness (`prefixpool up --vllm-worker-nice`): it spins for 1 s after every step, so "
                         "> 0 lets the fronts, the client, vLLM's API servers and the other server go first")
-    parser.add_argument("--vllm-spin-s", type=float, default=None, help="bound how long each vLLM server's "
-                        "processes spin after a message (`prefixpool up --vllm-spin-s`; vLLM's own: 1 s)")
+    parser.add_argument("--vllm-spin-s", type=spin_seconds, default=DEFAULT_SPIN_S,
+                        help="how long each vLLM server's processes spin after a message (`prefixpool up "
+                        f"--vllm-spin-s`, default {DEFAULT_SPIN_S}; 'vllm': vLLM's own 1 s)")
     parser.add_argument("--limit", type=int, default=0, help="at most this many prompts per run (0: the shape's)")
     parser.add_argument("--out", default="", help="also write the table, with this command, to this file")
     parser.add_argument("--keep", default="", help="work in this directory and keep it: every process's log and "

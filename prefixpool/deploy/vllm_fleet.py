@@ -22,6 +22,7 @@ from prefixpool.vllm_connector.config import kv_transfer_json
 from prefixpool.deploy.vllm_server import DEFAULT_KV_BLOCKS, DEFAULT_PYTHON, TOPIC, VllmConfig, VllmServer
 
 GIB = 1 << 30
+DEFAULT_SPIN_S = 0.02  # --vllm-spin-s: measured in benchmarks/gateway.md
 
 
 def vllm_temp_dir() -> OwnedTempDir:
@@ -93,10 +94,24 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-worker-nice", type=int, default=0, help="--vllm: run each server's model worker "
                         "at this niceness (it spins for 1 s after every step): on a CPU host shared with the router, "
                         "the sidecars and other servers, > 0 lets them go first (0: as vLLM starts it)")
-    parser.add_argument("--vllm-spin-s", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--vllm-spin-s", type=spin_seconds, default=DEFAULT_SPIN_S, metavar="SECONDS",
                         help="--vllm: how long each server's processes spin on their shared-memory queues after a "
                         "message before they sleep (vLLM 0.32: 1 s, a core each while a server gets a request a "
-                        "second); e.g. 0.002 where CPU servers share a machine (prefixpool/vllm_connector/serve.py)")
+                        f"second; default {DEFAULT_SPIN_S}, for CPU servers sharing a machine; 'vllm': vLLM's own, "
+                        "unchanged; docs/vllm.md)")
+
+
+def spin_seconds(text: str) -> float | None:
+    """--vllm-spin-s: seconds, or 'vllm' for vLLM's own spin (None)."""
+    if text == "vllm":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 10:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds from 0 to 10 (e.g. 0.02) or 'vllm'")
+    return seconds
 
 
 def num_vllm_servers(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """vLLM's OpenAI server, with how long its processes spin after a message bounded.
 
-    <vLLM's python> -m prefixpool.vllm_connector.serve <vllm api_server args>    # PREFIXPOOL_VLLM_SPIN_S=0.002
+    <vLLM's python> -m prefixpool.vllm_connector.serve <vllm api_server args>    # PREFIXPOOL_VLLM_SPIN_S=0.02
 
 vLLM 0.32 passes each step between its engine core and its model worker through shared-memory
 queues whose readers, after every message, spin on sched_yield for one second before they sleep on
@@ -8,9 +8,10 @@ a socket (`SpinCondition`, busy_loop_s=1, no setting). On a GPU node that costs 
 process. Where several CPU servers share a machine it costs the machine: a server that gets a
 request every second keeps its worker and engine core spinning, and two such servers fill two cores
 (measured: benchmarks/gateway.md). With PREFIXPOOL_VLLM_SPIN_S set, this module lowers that second
-to the value given, in this process and in every process vLLM starts from it (a forked child shares
-the change; a spawned one imports this module again as its main module), then runs vLLM's server.
-Without the variable it changes nothing.
+to the value given and has idle readers recheck their queue every RECHECK_MS, in this process and in
+every process vLLM starts from it (a forked child shares the change; a spawned one imports this module
+again as its main module), then runs vLLM's server. Without the variable it changes nothing.
+`prefixpool up --vllm` sets it (`--vllm-spin-s`, default 0.02; `vllm` leaves vLLM as it is).
 """
 
 from __future__ import annotations

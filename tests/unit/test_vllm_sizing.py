@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from prefixpool.deploy.vllm_fleet import add_vllm_arguments, vllm_config
+from prefixpool.deploy.vllm_fleet import DEFAULT_SPIN_S, add_vllm_arguments, vllm_config
 from prefixpool.deploy.vllm_server import DEFAULT_KV_BLOCKS, VllmConfig, argv, child_env, unpinned_threads
 from prefixpool.deploy.vllm_sizing import KV_SPACE_ENV, KvSizeUnknown, block_bytes, kv_flags
 
@@ -49,15 +49,19 @@ def test_up_passes_the_worker_niceness():
     assert vllm_config(parser.parse_args([*args, "--vllm-worker-nice", "19"])).worker_nice == 19
 
 
-def test_a_bounded_spin_starts_vllm_through_our_entry(model):
+def test_up_bounds_vllms_spin_unless_told_vllm(model):
     parser = argparse.ArgumentParser()
     add_vllm_arguments(parser)
     args = ["--vllm", "2", "--model-path", model]
-    plain = vllm_config(parser.parse_args(args))
+    bounded = vllm_config(parser.parse_args(args))
+    assert bounded.spin_s == DEFAULT_SPIN_S and argv(bounded, 1, "e", "r")[2] == "prefixpool.vllm_connector.serve"
+    assert vllm_config(parser.parse_args([*args, "--vllm-spin-s", "0.5"])).spin_s == 0.5
+    plain = vllm_config(parser.parse_args([*args, "--vllm-spin-s", "vllm"]))
     assert plain.spin_s is None and argv(plain, 1, "e", "r")[2] == "vllm.entrypoints.openai.api_server"
-    bounded = vllm_config(parser.parse_args([*args, "--vllm-spin-s", "0.002"]))
-    assert bounded.spin_s == 0.002 and argv(bounded, 1, "e", "r")[2] == "prefixpool.vllm_connector.serve"
     assert argv(bounded, 1, "e", "r")[3:] == argv(plain, 1, "e", "r")[3:]
+    for bad in ("-1", "11", "fast"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*args, "--vllm-spin-s", bad])
 
 
 def test_bytes_alone_let_vllm_fit_the_blocks(model):
