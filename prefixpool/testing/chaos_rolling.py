@@ -35,6 +35,7 @@ class DrainRecord:
     seconds: float  # SIGTERM -> process exited (interpreter teardown included)
     exit_code: int
     drain_s: float | None  # SIGTERM -> nothing admitted any more, as the process logged it
+    log_tail: str = ""  # the process's last log lines when it did not exit cleanly (its log dir goes with the test)
 
 
 def logged_drain_s(log_path: Path) -> float | None:
@@ -76,7 +77,9 @@ async def drain(child: Child, busy, busy_timeout_s: float = 30.0) -> DrainRecord
     began = time.monotonic()
     await asyncio.to_thread(child.stop)
     seconds = time.monotonic() - began
-    return DrainRecord(child.name, found[-1], seconds, child.process.returncode, logged_drain_s(child.log_path))
+    code = child.process.returncode
+    tail = "" if code == 0 else child.log_path.read_text(errors="replace")[-3000:]
+    return DrainRecord(child.name, found[-1], seconds, code, logged_drain_s(child.log_path), tail)
 
 
 async def rolling_restart_workers(cluster: LocalCluster, client: ApiClient) -> list[DrainRecord]:
