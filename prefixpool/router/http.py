@@ -164,13 +164,16 @@ async def _serve_stream(request: web.Request, router: Router, prepared: Prepared
 
 async def _relay(prepared: Prepared, event: Event, events: AsyncIterator[Event], detok: Detokenizer,
                  frames: fmt.StreamFrames, response: web.StreamResponse, logprobs: LogprobsShape | None) -> None:
-    """Stream events as SSE frames from `event` on, until Done or Failed; with logprobs, a frame per token."""
+    """Stream events as SSE frames from `event` on, until Done or Failed: a frame per token, its text empty
+    while the detokenizer holds back part of a character (vLLM streams one per token too)."""
     while True:
         if isinstance(event, Token):
+            # "" while it ends inside a character: still a frame, as vLLM sends (clients time the first token
+            # by the first chunk; held back, a split character delayed it by a token)
             text = detok.push(event.token)
             if logprobs is not None:
                 await response.write(frames.token(text, logprobs.of((event,))))
-            elif text:
+            else:
                 await response.write(frames.text(text))
         elif isinstance(event, Done):
             await response.write(frames.last(detok.flush(), event.finish_reason))
