@@ -2,6 +2,7 @@
 
     python scripts/bench_gateway.py [--shapes ref,many,long,fast,random] [--fronts pressure,cost,round_robin,sglang]
                                     [--repeat 1] [--out benchmarks/gateway.md]
+    python scripts/bench_gateway.py --added 150     # what each front adds to one server's TTFT, requests in turn
 
 Per workload shape, one fleet (`prefixpool up --vllm 2` as a LocalCluster: etcd, 2 vLLM servers of a
 tiny random Llama with KV events, their sidecars) whose KV caches are capped (--num-gpu-blocks-override)
@@ -25,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -35,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 
 from prefixpool.deploy.launcher import LocalCluster
@@ -43,6 +46,7 @@ from prefixpool.deploy.vllm_fleet import DEFAULT_SPIN_S, spin_seconds
 from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, VllmConfig
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
+from prefixpool.model.tokenizer import load_tokenizer
 from prefixpool.testing.prometheus import scrape
 
 REPO = Path(__file__).resolve().parent.parent
@@ -270,6 +274,62 @@ def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp
             emit(row(pooled(arms[front])), out)
 
 
+def added_latency(requests: int, model_dir: Path, tmp: Path, out: Path | None, server: dict) -> None:
+    """What each front adds to one vLLM server's TTFT, without queueing: `requests` streamed completions in
+    turn (the random shape's prompt: its 512-token prefix, 32 random tokens, 4 out), each sent directly, through
+    our router (pressure) and through sglang-router, in a shuffled order; the first 5 rounds are not counted."""
+    shape = SHAPES["random"]
+    config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks, **server)
+    tokenizer = load_tokenizer(model_dir)
+    with LocalCluster(num_workers=0, vllm=config, num_vllm=1, log_dir=tmp / "logs-added") as cluster:
+        direct = next(iter(cluster.vllm_servers.values())).url
+        ours_url, ours = start_front("pressure", cluster, tmp)
+        sglang = SglangRouter([direct], tmp)
+        try:
+            paths = {"vLLM directly": direct, "prefixpool pressure": ours_url, "sglang-router cache_aware": sglang.url}
+            ttfts = asyncio.run(_in_turn(paths, tokenizer, shape, requests))
+        finally:
+            ours.stop()
+            sglang.stop()
+    base = {p: float(np.percentile(ttfts["vLLM directly"], p)) for p in (50, 90)}
+    emit("| path | requests | TTFT p50 ms | p90 | added p50 ms | added p90 |", out)
+    emit("|---|---:|---:|---:|---:|---:|", out)
+    for name, values in ttfts.items():
+        p50, p90 = (float(np.percentile(values, p)) for p in (50, 90))
+        emit(f"| {name} | {len(values)} | {p50:.2f} | {p90:.2f} | {p50 - base[50]:+.2f} | {p90 - base[90]:+.2f} |", out)
+
+
+async def _in_turn(paths: dict[str, str], tokenizer, shape: Shape, requests: int) -> dict[str, list[float]]:
+    rng = random.Random(0)
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, tokenizer.vocab_size) for _ in range(n)]
+
+    prefix = ids(shape.prefix_len)
+    ttfts: dict[str, list[float]] = {name: [] for name in paths}
+    async with aiohttp.ClientSession() as session:
+        for i in range(requests + 5):
+            prompt = tokenizer.decode(prefix + ids(shape.suffix_len))
+            for name in rng.sample(list(paths), len(paths)):
+                ttft = await _first_chunk_s(session, paths[name], prompt, shape.output_len)
+                if i >= 5:
+                    ttfts[name].append(ttft * 1000)
+                await asyncio.sleep(0.02)
+    return ttfts
+
+
+async def _first_chunk_s(session: aiohttp.ClientSession, url: str, prompt: str, output_len: int) -> float:
+    """Seconds to the first chunk with choices, as vLLM's client times TTFT; the stream is read to its end."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": output_len, "stream": True, "ignore_eos": True}
+    start, first = time.perf_counter(), None
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            if first is None and line.startswith(b"data: {") and b'"choices":[{' in line.replace(b" ", b""):
+                first = time.perf_counter() - start
+    assert first is not None, f"{url}: no chunk with a choice"
+    return first
+
+
 def emit(line: str, out: Path | None) -> None:
     """Print a line of the report and append it to --out (a long run keeps what it measured if cut short)."""
     print(line, flush=True)
@@ -292,6 +352,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm-spin-s", type=spin_seconds, default=DEFAULT_SPIN_S,
                         help="how long each vLLM server's processes spin after a message (`prefixpool up "
                         f"--vllm-spin-s`, default {DEFAULT_SPIN_S}; 'vllm': vLLM's own 1 s)")
+    parser.add_argument("--added", type=int, default=0, help="instead of the shapes: N requests in turn to one vLLM "
+                        "server directly, through our router and through sglang-router (what each front adds)")
     parser.add_argument("--limit", type=int, default=0, help="at most this many prompts per run (0: the shape's)")
     parser.add_argument("--out", default="", help="also write the table, with this command, to this file")
     parser.add_argument("--keep", default="", help="work in this directory and keep it: every process's log and "
@@ -313,17 +375,20 @@ def main() -> None:
     out = Path(args.out) if args.out else None
     if out is not None:
         out.write_text(f"`python scripts/bench_gateway.py {' '.join(sys.argv[1:])}`\n\n")
-    for line in HEADER:
+    for line in HEADER if not args.added else ():
         emit(line, out)
+    server = {"worker_nice": args.vllm_worker_nice, "spin_s": args.vllm_spin_s}
     work = contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="bench-gateway-")
     with work as tmp:
         Path(tmp).mkdir(parents=True, exist_ok=True)
         model_dir = Path(tmp) / "model"
         subprocess.run([str(DEFAULT_PYTHON), "-m", "prefixpool.testing.tiny_llama", str(model_dir),
                         "--max-position", "2048"], check=True, capture_output=True)
+        if args.added:
+            added_latency(args.added, model_dir, Path(tmp), out, server)
+            return
         for shape in args.shapes:
-            run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out, args.warm_up,
-                      {"worker_nice": args.vllm_worker_nice, "spin_s": args.vllm_spin_s})
+            run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out, args.warm_up, server)
     emit("", out)
     for shape in args.shapes:
         emit(f"- {shape.name}: {shape.describe()}", out)
