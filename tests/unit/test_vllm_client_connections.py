@@ -35,6 +35,7 @@ class Streams:
 
     def __init__(self, hold: bool) -> None:
         self.peers: set = set()
+        self.bodies: list[dict] = []  # each request's JSON body, as vLLM would read it
         self.hold = hold
         self.release = asyncio.Event()
 
@@ -45,7 +46,8 @@ STREAMS = web.AppKey("streams", Streams)
 async def answer_like_vllm(request: web.Request) -> web.StreamResponse:
     streams = request.app[STREAMS]
     streams.peers.add(request.transport.get_extra_info("peername"))
-    await request.read()
+    assert request.content_type == "application/json", request.content_type
+    streams.bodies.append(await request.json())
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     for token in (7, 8):
@@ -60,7 +62,7 @@ async def answer_like_vllm(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def serve_and_ask(requests: int, hold: bool = False) -> tuple[list[list], set]:
+async def serve_and_ask(requests: int, hold: bool = False) -> tuple[list[list], Streams]:
     """(each answer's events, the client addresses the server saw). `hold`: the server sends `[DONE]` only
     once the client has its answer (each answer is checked to be complete before it is released)."""
     app = web.Application()
@@ -81,17 +83,20 @@ async def serve_and_ask(requests: int, hold: bool = False) -> tuple[list[list], 
         streams.release.set()
         await client.close()
         await server.close()
-    return answers, streams.peers
+    return answers, streams
 
 
 def test_requests_in_turn_share_one_connection():
-    answers, peers = asyncio.run(serve_and_ask(5))
+    answers, streams = asyncio.run(serve_and_ask(5))
     for events in answers:
         assert events[:2] == [Token(7), Token(8)] and isinstance(events[2], Done) and len(events) == 3
-    assert len(peers) == 1, peers  # before: one connection (a new client port) per request
+    assert len(streams.peers) == 1, streams.peers  # before: one connection (a new client port) per request
+    body = streams.bodies[0]  # the prompt goes as token ids, the stream asks for them back
+    assert body["prompt"] == [1, 2, 3] and body["model"] == "m" and body["max_tokens"] == 2
+    assert body["stream"] is True and body["return_token_ids"] is True and len(streams.bodies) == 5
 
 
 def test_a_stream_held_open_after_its_usage_is_answered_all_the_same():
-    answers, peers = asyncio.run(serve_and_ask(2, hold=True))  # answered while the server still holds it
+    answers, streams = asyncio.run(serve_and_ask(2, hold=True))  # answered while the server still holds it
     assert all(isinstance(events[-1], Done) and len(events) == 3 for events in answers)
-    assert len(peers) == 2  # what the bound costs: that connection
+    assert len(streams.peers) == 2  # what the bound costs: that connection
