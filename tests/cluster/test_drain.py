@@ -189,7 +189,8 @@ def test_a_drain_past_its_deadline_ends_the_stream_with_an_error_event(cluster, 
     assert lines[-1] == "data: [DONE]", lines[-3:]
     assert "error" in events[-1] and events[-1]["error"]["code"] == 503, events[-1]
     assert "drain deadline" in events[-1]["error"]["message"]
-    assert any(choice.get("text") for e in events[:-1] for choice in e.get("choices", ())), "no token before the cut"
+    # a frame per token; its text is "" while the token ends inside a UTF-8 character (random bytes often do)
+    assert any("text" in choice for e in events[:-1] for choice in e.get("choices", ())), "no token before the cut"
     assert exit_code == 0
 
     async def honest_again() -> None:  # back without the zero deadline; every pool at rest
