@@ -39,7 +39,7 @@ from prefixpool.router.worker_client import WorkerUnreachable
 
 log = logging.getLogger(__name__)
 HANDOFF_ASK = "do_remote_decode"  # vLLM's kv_transfer_params key (prefixpool/vllm_connector/handoff.py reads it)
-JSON_HEADERS = {"Content-Type": "application/json"}  # bodies encoded by msgspec: the ids list 0.2 ms faster than json
+JSON_HEADERS = {"Content-Type": "application/json"}
 DRAIN_S = 0.5  # at most this long for the rest of a stream after its last event (keep-alive, not the answer)
 
 
@@ -57,6 +57,11 @@ class VllmClient:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+    def _post(self, vllm_url: str, body: dict):
+        """POST `body` to vLLM's /v1/completions, encoded by msgspec (the prompt's ids list 0.2 ms faster than
+        aiohttp's json=, measured by py-spy under bench_gateway --added)."""
+        return self._client().post(f"{vllm_url}/v1/completions", data=msgspec.json.encode(body), headers=JSON_HEADERS)
 
     def body(self, request: GenerateRequest) -> dict:
         sampling = request.sampling
@@ -81,7 +86,7 @@ class VllmClient:
         for key in ("stream_options", "return_token_ids", "logprobs", "return_tokens_as_token_ids"):
             body.pop(key, None)
         try:
-            async with self._client().post(f"{vllm_url}/v1/completions", json=body) as response:
+            async with self._post(vllm_url, body) as response:
                 if response.status != 200:
                     text = (await response.text())[:200]
                     log.warning("prefill on %s answered %d: %s; the decode server computes the prompt", vllm_url,
@@ -101,8 +106,7 @@ class VllmClient:
         if kv_transfer_params:
             body["kv_transfer_params"] = kv_transfer_params
         try:
-            async with self._client().post(f"{vllm_url}/v1/completions", data=msgspec.json.encode(body),
-                                           headers=JSON_HEADERS) as response:
+            async with self._post(vllm_url, body) as response:
                 if response.status != 200:
                     yield _failure(response.status, await response.text())
                     return

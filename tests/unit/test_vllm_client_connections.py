@@ -63,8 +63,8 @@ async def answer_like_vllm(request: web.Request) -> web.StreamResponse:
 
 
 async def serve_and_ask(requests: int, hold: bool = False) -> tuple[list[list], Streams]:
-    """(each answer's events, the client addresses the server saw). `hold`: the server sends `[DONE]` only
-    once the client has its answer (each answer is checked to be complete before it is released)."""
+    """(each answer's events, what the server saw: client addresses and request bodies). `hold`: the server sends
+    `[DONE]` only once the client has its answer (each answer is checked to be complete before it is released)."""
     app = web.Application()
     streams = app[STREAMS] = Streams(hold)
     app.add_routes([web.post("/v1/completions", answer_like_vllm)])
