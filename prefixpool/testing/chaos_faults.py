@@ -20,7 +20,10 @@ import aiohttp
 
 from prefixpool.deploy.launcher import LocalCluster
 from prefixpool.model.source import tokenizer_for
-from prefixpool.contract.worker_api import AUTH_HEADER, GenerateRequest, SamplingParams, encode
+from prefixpool.contract.worker_api import (AUTH_HEADER, Done, Failed, FetchPlan, GenerateRequest, SamplingParams,
+                                            Usage, decode_event, encode)
+from prefixpool.meta.etcd_client import EtcdClient
+from prefixpool.meta.membership import NodeRecord, decode_record
 from prefixpool.testing.chaos_client import ApiClient, Outcome, steady_load
 
 LEASE_TTL_S = 3
@@ -201,16 +204,49 @@ async def restart_corrupting(cluster: LocalCluster, client: ApiClient, node_id: 
 
 async def warm_directly(cluster: LocalCluster, node_id: str, prompts: list[str], salt: str, token: str = "") -> None:
     """Fill one worker's pool through its internal API, so that it alone holds these prompts' blocks."""
-    tokenizer = tokenizer_for("")
+    for i, prompt in enumerate(prompts):
+        await generate_directly(cluster, node_id, prompt, salt, request_id=f"warm-{i}", max_tokens=1, token=token)
+
+
+async def generate_directly(cluster: LocalCluster, node_id: str, prompt: str, salt: str, request_id: str,
+                            max_tokens: int, fetch_from: str = "", token: str = "") -> tuple[list[int], Usage]:
+    """One request on `node_id` through its internal API, greedy; with `fetch_from`, told to fetch every full
+    block of the prompt from that peer first (its transfer address read from the peer's etcd record)."""
+    tokens = tokenizer_for("").encode(prompt)
+    fetch = None
+    if fetch_from:
+        peer = await node_record(cluster, fetch_from)
+        fetch = FetchPlan(peer=fetch_from, transfer_url=peer.transfer_url, start=0, end=len(tokens) // peer.block_size)
+    request = GenerateRequest(request_id=request_id, tokens=tokens, cache_salt=salt, fetch=fetch,
+                              sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0))
     headers = {AUTH_HEADER: token} if token else {}
+    sampled: list[int] = []
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as session:
-        for i, prompt in enumerate(prompts):
-            request = GenerateRequest(request_id=f"warm-{i}", tokens=tokenizer.encode(prompt),
-                                      sampling=SamplingParams(max_tokens=1), cache_salt=salt)
-            async with session.post(f"{cluster.workers[node_id].url}/generate", data=encode(request),
-                                    headers={"Content-Type": "application/json"}) as response:
-                assert response.status == 200, await response.text()
-                await response.read()
+        async with session.post(f"{cluster.workers[node_id].url}/generate", data=encode(request),
+                                headers={"Content-Type": "application/json"}) as response:
+            assert response.status == 200, await response.text()
+            async for line in response.content:
+                if not line.strip():
+                    continue
+                event = decode_event(line)
+                assert not isinstance(event, Failed), f"{node_id} failed {request_id}: {event}"
+                if isinstance(event, Done):
+                    return sampled, event.usage
+                sampled.append(event.token)
+    raise AssertionError(f"{node_id} ended {request_id} without a done event")
+
+
+async def node_record(cluster: LocalCluster, node_id: str) -> NodeRecord:
+    """`node_id`'s record as etcd holds it now (any namespace)."""
+    client = EtcdClient(cluster.etcd.endpoint)
+    try:
+        snapshot = await client.get_prefix(b"/prefixpool/")
+    finally:
+        await client.close()
+    for kv in snapshot.kvs:
+        if b"/nodes/" in kv.key and (record := decode_record(kv.value)).node_id == node_id:
+            return record
+    raise AssertionError(f"no node record of {node_id} in etcd")
 
 
 async def pinned_flood(client: ApiClient, num_requests: int, prompt_chars: int = 330,

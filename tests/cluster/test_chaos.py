@@ -10,11 +10,13 @@ scripts/chaos.py.
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
 
 from prefixpool.testing.chaos_faults import (
     cluster_for,
+    generate_directly,
     pids_alive,
     pinned_flood,
     quiet_pools,
@@ -106,6 +108,17 @@ def test_corrupt_blocks_in_transit_cost_a_recompute(cluster, oracle):
             await client.close()
     tally = Tally.of(asyncio.run(tenant_load()), oracle)
     assert tally.wrong == [] and tally.dirty == [] and tally.served == 36
+
+    async def told_to_fetch() -> tuple:
+        """The router may keep every request on worker-0 (it holds them all): a fetch from it, made sure of."""
+        salt, prompt = f"fetch-{uuid.uuid4().hex}", PROMPTS[1]
+        await warm_directly(cluster, "worker-0", [prompt], salt=salt)
+        fetched = await generate_directly(cluster, "worker-1", prompt, salt, "told", 8, fetch_from="worker-0")
+        cold = await generate_directly(cluster, "worker-2", prompt, f"cold-{uuid.uuid4().hex}", "cold", 8)
+        return fetched, cold
+    (tokens, usage), (cold_tokens, cold_usage) = asyncio.run(told_to_fetch())
+    assert tokens == cold_tokens and usage.fetched_tokens == 0 and usage.local_hit_tokens == 0
+    assert usage.computed_tokens == cold_usage.computed_tokens == usage.prompt_tokens  # every damaged block redone
     report = asyncio.run(quiet_pools(cluster))
     assert report["worker-0"]["corrupted_blocks_sent"] > 0, "no fetch was served by the corrupting worker"
     assert all(r["corrupted_blocks_sent"] == 0 for n, r in report.items() if n != "worker-0")

@@ -104,11 +104,15 @@ def test_wiped_etcd_is_repopulated_by_live_nodes(own_etcd, ns):
         nodes[0].store(CHAINS[0])
         nodes[1].store(CHAINS[1])
         await settle(mirror, nodes)
-        rotations = [n.membership.num_rotations for n in nodes]
+        rotations, resyncs = [n.membership.num_rotations for n in nodes], mirror.num_resyncs
         await asyncio.to_thread(own_etcd.restart, False)  # a lost disk: no leases, no keys
         nodes[0].evict(CHAINS[0][5:])
         async with asyncio.timeout(20):
             while [n.membership.num_rotations for n in nodes] <= rotations or any(n.publisher.busy for n in nodes):
+                await asyncio.sleep(0.02)
+            # the wiped etcd counts revisions from 1 again: until the mirror has a snapshot of it, its revision is
+            # the old etcd's, above every new write's, and settle() would not wait (CI saw the stale index)
+            while mirror.num_resyncs <= resyncs or not mirror.connected:
                 await asyncio.sleep(0.02)
         await settle(mirror, nodes)
         assert all(n.membership.num_rotations > r for n, r in zip(nodes, rotations))
