@@ -107,7 +107,10 @@ def build_router(settings: RouterSettings, view, client: WorkerClient) -> Router
         router_id=settings.router_id, api_key=settings.api_key, max_retries=settings.max_retries,
         default_max_tokens=settings.default_max_tokens, handoff_wait_s=settings.pd_handoff_wait_s,
         conductor=ConductorConfig(settings.pd_interference_weight, settings.pd_handoff_setup_s))
-    return Router(router_config, tokenizer_for(settings.model_path), view, client, costs)
+    tokenizer = tokenizer_for(settings.model_path)
+    if (refused := getattr(tokenizer, "chunk_refusal", None)) is not None:
+        log.info("tokenizer encodes each prompt whole (%s)", refused)
+    return Router(router_config, tokenizer, view, client, costs)
 
 
 def listen(host: str, port: int) -> socket.socket:
