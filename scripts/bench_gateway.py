@@ -355,6 +355,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--added", type=int, default=0, help="instead of the shapes: N requests in turn to one vLLM "
                         "server directly, through our router and through sglang-router (what each front adds)")
     parser.add_argument("--limit", type=int, default=0, help="at most this many prompts per run (0: the shape's)")
+    parser.add_argument("--hidden-size", type=int, default=128, help="the random Llama's hidden size (intermediate "
+                        "2x; 128 with 2 layers: prefill nearly free, so TTFT measures the fronts' own cost; 256 with "
+                        "4 layers: a 544-token prefill costs ~10x a 32-token one, as on a GPU serving an 8B model)")
+    parser.add_argument("--layers", type=int, default=2, help="the random Llama's layers")
     parser.add_argument("--out", default="", help="also write the table, with this command, to this file")
     parser.add_argument("--keep", default="", help="work in this directory and keep it: every process's log and "
                         "each run's per-request results (result-SHAPE-FRONT-NS.json)")
@@ -383,7 +387,8 @@ def main() -> None:
         Path(tmp).mkdir(parents=True, exist_ok=True)
         model_dir = Path(tmp) / "model"
         subprocess.run([str(DEFAULT_PYTHON), "-m", "prefixpool.testing.tiny_llama", str(model_dir),
-                        "--max-position", "2048"], check=True, capture_output=True)
+                        "--max-position", "2048", "--hidden-size", str(args.hidden_size), "--layers", str(args.layers),
+                        "--intermediate-size", str(2 * args.hidden_size)], check=True, capture_output=True)
         if args.added:
             added_latency(args.added, model_dir, Path(tmp), out, server)
             return
@@ -392,6 +397,8 @@ def main() -> None:
     emit("", out)
     for shape in args.shapes:
         emit(f"- {shape.name}: {shape.describe()}", out)
+    emit(f"- model: random Llama, hidden {args.hidden_size}, {args.layers} layers, intermediate "
+         f"{2 * args.hidden_size}, vocabulary 384", out)
     emit(f"- load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", out)
 
 
