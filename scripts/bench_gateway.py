@@ -356,8 +356,8 @@ def parse_args() -> argparse.Namespace:
                         "server directly, through our router and through sglang-router (what each front adds)")
     parser.add_argument("--limit", type=int, default=0, help="at most this many prompts per run (0: the shape's)")
     parser.add_argument("--hidden-size", type=int, default=128, help="the random Llama's hidden size (intermediate "
-                        "2x; 128 with 2 layers: prefill nearly free, so TTFT measures the fronts' own cost; 256 with "
-                        "4 layers: a 544-token prefill costs ~10x a 32-token one, as on a GPU serving an 8B model)")
+                        "2x). 128 with 2 layers: a prefill costs about what a front adds, so TTFT mostly measures the "
+                        "fronts; larger: a miss costs more than the fronts, as serving a real model")
     parser.add_argument("--layers", type=int, default=2, help="the random Llama's layers")
     parser.add_argument("--out", default="", help="also write the table, with this command, to this file")
     parser.add_argument("--keep", default="", help="work in this directory and keep it: every process's log and "
