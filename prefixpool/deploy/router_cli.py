@@ -135,7 +135,7 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
     config = LoadPublisherConfig(ttl_s=settings.lease_ttl_s, period_s=settings.load_publish_s,
                                  alone_period_s=settings.load_publish_alone_s)
     publisher = LoadPublisher(etcd, layout, settings.router_id, router.inflight, config, url,
-                              peers=lambda: len(mirror.fleet.routers().keys() - {settings.router_id}))
+                              peers=lambda: mirror.fleet.active(settings.router_id, 2 * config.alone_period_s))
     router.inflight.on_change = publisher.changed
     await mirror.start()
     await publisher.start()

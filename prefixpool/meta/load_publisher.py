@@ -4,10 +4,12 @@
     loop:   woken by the tracker's on_change, or every ttl/4 for the keepalive:
             keepalive(L) when due; if the snapshot changed since the last put, put it; then sleep
             `period_s`, so a burst of begins and ends costs one put, not one each
-    alone:  while no other router is in the fleet (`peers()` is 0), a change waits until
-            `alone_period_s` after the last put: nobody reads the entry but this router's own
-            reconciliation with the workers' reports, and a put costs this router, etcd and every
-            mirror CPU on the request path (bench_gateway --added: 1.3 ms of TTFT p50 at 0.02 s)
+    alone:  while no other router is routing (`peers()` is 0: none in the fleet, or all idle), a
+            change waits until `alone_period_s` after the last put: nobody reads the entry then but
+            this router's own reconciliation with the workers' reports, and a put costs this router,
+            etcd and every mirror CPU on the request path (bench_gateway --added: ~1 ms of TTFT p50).
+            A router that starts routing sees this one's entry change within alone_period_s and
+            puts its own at once, and this one leaves alone mode when it sees that
     lost L: (etcd restarted empty, the router stalled past the TTL) grant a new one, put again
     stop:   revoke L: the entry leaves etcd now; a killed router's entry leaves when L expires
 
