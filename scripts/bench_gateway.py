@@ -1,7 +1,7 @@
 """vLLM's own benchmark client against 2 vLLM servers behind our router (per policy) and behind sglang-router.
 
     python scripts/bench_gateway.py [--shapes ref,many,long,fast,random] [--fronts pressure,cost,round_robin,sglang]
-                                    [--repeat 1] [--out benchmarks/gateway.md]
+                                    [--repeat 1] [--out benchmarks/gateway.md] [--hidden-size 128 --layers 2]
     python scripts/bench_gateway.py --added 150     # what each front adds to one server's TTFT, requests in turn
 
 Per workload shape, one fleet (`prefixpool up --vllm 2` as a LocalCluster: etcd, 2 vLLM servers of a
