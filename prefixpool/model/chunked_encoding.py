@@ -40,6 +40,7 @@ from prefixpool.store.keys import TOKEN_DTYPE
 
 MIN_CHUNK_CHARS = 64
 MAX_CACHED_CHUNKS = 8192  # about 100 characters and 100 ids each: a few MB
+MAX_CACHED_CHARS = 1024  # a longer chunk (text with few cuts: code, CJK, digits) is encoded, not kept: <= ~40 MB
 CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
 
 # Split regexes (tokenizer.json's pre_tokenizer pattern) whose pieces end at "letter|space letter":
@@ -107,8 +108,9 @@ class ChunkedEncoder:
     """encode(text) -> int32 ids, equal to encode_batch([text])[0] for a tokenizer `refusal` accepts."""
 
     def __init__(self, encode_batch: Callable[[list[str]], list[list[int]]], min_chars: int = MIN_CHUNK_CHARS,
-                 max_chunks: int = MAX_CACHED_CHUNKS) -> None:
+                 max_chunks: int = MAX_CACHED_CHUNKS, max_chars: int = MAX_CACHED_CHARS) -> None:
         self._encode_batch, self.min_chars, self.max_chunks = encode_batch, min_chars, max_chunks
+        self.max_chars = max_chars
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self.num_hits = self.num_misses = 0  # chunks
 
@@ -128,7 +130,9 @@ class ChunkedEncoder:
         self.num_misses += len(missing)
         if missing:
             for i, ids in zip(missing, self._encode_batch([chunks[i] for i in missing])):
-                parts[i] = self._cache[chunks[i]] = np.array(ids, dtype=TOKEN_DTYPE)
+                parts[i] = np.array(ids, dtype=TOKEN_DTYPE)
+                if len(chunks[i]) <= self.max_chars:
+                    self._cache[chunks[i]] = parts[i]
             while len(self._cache) > self.max_chunks:
                 self._cache.popitem(last=False)
         return np.concatenate(parts)

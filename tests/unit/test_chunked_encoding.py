@@ -104,6 +104,14 @@ def test_the_cache_is_bounded_and_keeps_the_recently_used():
     assert list(encoder._cache) == [" dddd", " bbbb", "xxxx"]  # " bbbb" was used again: " cccc" left
 
 
+def test_a_chunk_longer_than_max_chars_is_encoded_but_not_kept():
+    encode = whole(ACCEPTED["gpt2 byte-level"])
+    encoder = ChunkedEncoder(encode, min_chars=4, max_chars=8)
+    text = "abcd efgh" + "1234567890" * 5 + "x y"  # chunks "abcd", " efgh1234...890x", " y"
+    assert encoder.encode(text).tolist() == encode([text])[0]
+    assert sorted(encoder._cache) == [" y", "abcd"]
+
+
 def test_a_checkpoint_tokenizer_encodes_in_chunks_with_the_same_ids(tmp_path):
     path = tmp_path / "tokenizer.json"
     ACCEPTED["cl100k (Llama 3)"].save(str(path))
