@@ -89,6 +89,10 @@ class InflightTracker:
         return {worker: self._entry(load) for worker, load in self._workers.items()
                 if load.num_queued or load.num_running}
 
+    def unpublished(self) -> bool:
+        """Some change is not yet ordered by a put, even where the load went back to what etcd holds."""
+        return any(load.published_revision is None for load in self._workers.values())
+
     def published(self, snapshot: dict[str, tuple[int, int]], revision: int) -> None:
         """`snapshot` went to etcd at `revision`: workers unchanged since it was taken are published."""
         for worker, load in self._workers.items():
