@@ -20,10 +20,10 @@ import aiohttp
 
 from prefixpool.deploy.launcher import LocalCluster
 from prefixpool.model.source import tokenizer_for
-from prefixpool.contract.worker_api import (AUTH_HEADER, Done, Failed, FetchPlan, GenerateRequest, SamplingParams,
-                                            Usage, decode_event, encode)
+from prefixpool.contract.worker_api import AUTH_HEADER, Done, Failed, FetchPlan, GenerateRequest, SamplingParams, Usage
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.membership import NodeRecord, decode_record
+from prefixpool.router.worker_client import WorkerClient
 from prefixpool.testing.chaos_client import ApiClient, Outcome, steady_load
 
 LEASE_TTL_S = 3
@@ -219,20 +219,15 @@ async def generate_directly(cluster: LocalCluster, node_id: str, prompt: str, sa
         fetch = FetchPlan(peer=fetch_from, transfer_url=peer.transfer_url, start=0, end=len(tokens) // peer.block_size)
     request = GenerateRequest(request_id=request_id, tokens=tokens, cache_salt=salt, fetch=fetch,
                               sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    headers = {AUTH_HEADER: token} if token else {}
-    sampled: list[int] = []
-    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as session:
-        async with session.post(f"{cluster.workers[node_id].url}/generate", data=encode(request),
-                                headers={"Content-Type": "application/json"}) as response:
-            assert response.status == 200, await response.text()
-            async for line in response.content:
-                if not line.strip():
-                    continue
-                event = decode_event(line)
-                assert not isinstance(event, Failed), f"{node_id} failed {request_id}: {event}"
-                if isinstance(event, Done):
-                    return sampled, event.usage
-                sampled.append(event.token)
+    client, sampled = WorkerClient(token, read_timeout_s=60), []
+    try:
+        async for event in client.generate(cluster.workers[node_id].url, request):
+            assert not isinstance(event, Failed), f"{node_id} failed {request_id}: {event}"
+            if isinstance(event, Done):
+                return sampled, event.usage
+            sampled.append(event.token)
+    finally:
+        await client.close()
     raise AssertionError(f"{node_id} ended {request_id} without a done event")
 
 
