@@ -58,6 +58,17 @@ class VllmFailed(RuntimeError):
     """vLLM exited or did not become healthy in time."""
 
 
+def failure_summary(log_text: str, first: int = 40, last: int = 20, tail_chars: int = 2000) -> str:
+    """The first and last ERROR lines of a vLLM log (the engine core's root cause, where its traceback
+    starts and the exception it ends with: the API server's traceback ending the log only says the core
+    failed), then the log's tail."""
+    errors = [line for line in log_text.splitlines() if " ERROR " in line]
+    if len(errors) > first + last:
+        errors = [*errors[:first], f"[{len(errors) - first - last} ERROR lines left out]", *errors[-last:]]
+    head = "its ERROR lines:\n" + "\n".join(errors) + "\n" if errors else "no ERROR line; "
+    return f"{head}log tail:\n{log_text[-tail_chars:]}"
+
+
 @dataclass(frozen=True)
 class VllmConfig:
     model_path: str
@@ -214,8 +225,8 @@ class VllmServer:
                 return
             time.sleep(1.0)
         self.stop()
-        tail = self.log_path.read_text(errors="replace")[-3000:]
-        raise VllmFailed(f"vLLM did not become healthy (exit {self.process.returncode}); log tail:\n{tail}")
+        raise VllmFailed(f"vLLM did not become healthy (exit {self.process.returncode}); "
+                         f"{failure_summary(self.log_path.read_text(errors='replace'))}")
 
     def _renice_worker(self) -> None:
         """vLLM's model worker (it spins for 1 s after every step) to worker_nice; its other processes as they are."""

@@ -1,6 +1,7 @@
 """A node's membership: its record in etcd under a lease that it keeps alive.
 
-    register: grant lease L, put nodes/<id> = record under L
+    register: grant lease L, put nodes/<id> = record under L (patient: etcd out of reach -> the loop
+              registers when it answers)
     loop:     keepalive(L) every ttl/4; load changes re-put the record
     lost L:   (expired after a long stop, etcd restarted without data, revoked)
               -> rotate: new lease, record, on_rotate(new) re-publishes the blocks
@@ -83,9 +84,16 @@ class Membership:
         self._lost: int | None = None
         self._task: asyncio.Task | None = None
 
-    async def start(self) -> None:
-        """Register once (raises EtcdError if etcd is not there), then keep the lease alive."""
-        await self.rotate()
+    async def start(self, *, patient: bool = False) -> None:
+        """Register once, then keep the lease alive. etcd down or too slow to answer raises EtcdError, or
+        with `patient` is logged and left to the background task, which registers when etcd answers."""
+        try:
+            await self.rotate()
+        except EtcdError as error:
+            if not patient:
+                raise
+            log.warning("node %s: etcd unavailable (%s); registering when it answers", self.record.node_id, error)
+            self._wake.set()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -153,6 +161,9 @@ class Membership:
                 self._wake.set()
 
     async def _step(self) -> None:
+        if self.lease_id is None:  # a patient start that etcd did not answer yet
+            await self.rotate()
+            return
         if self._lost is not None and self._lost == self.lease_id:
             log.warning("node %s lost lease %x; registering again", self.record.node_id, self._lost)
             await self.rotate()

@@ -24,18 +24,14 @@ router, the block pool or HTTP; the router side is prefixpool.meta.sharded_mirro
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Collection, Iterable, Sequence
 
-from prefixpool.meta.background import stop_task
-from prefixpool.meta.etcd_client import EtcdClient, EtcdError
+from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.meta.membership import Membership, MembershipConfig, NodeRecord
 from prefixpool.meta.publisher import AllKeys, Publisher, PublisherConfig
 from prefixpool.store.keys import BlockKey
 from prefixpool.store.tier_names import DEVICE
-
-log = logging.getLogger(__name__)
 
 
 def parse_shards(text: str) -> tuple[str, ...]:
@@ -73,7 +69,6 @@ class ShardedMembership:
     def __init__(self, shards: Sequence[Membership]) -> None:
         assert len(shards) > 1, "one shard needs no ShardedMembership"
         self.shards = list(shards)
-        self._later: list[asyncio.Task] = []
 
     @property
     def home(self) -> Membership:
@@ -97,23 +92,15 @@ class ShardedMembership:
     def num_rotations(self) -> int:
         return sum(m.num_rotations for m in self.shards)
 
-    async def start(self) -> None:
-        """Register in the home shard (raises EtcdError when it is down, as one etcd does), then in every
-        other shard; one that does not answer is registered in the background when it does."""
-        await self.home.start()
-        for shard, membership in enumerate(self.shards[1:], 1):
-            try:
-                await membership.start()
-            except EtcdError as error:
-                log.warning("node %s: index shard %d unavailable (%s); registering when it answers",
-                            self.record.node_id, shard, error)  # fmt: skip
-                self._later.append(asyncio.get_running_loop().create_task(self._start_later(membership)))
+    async def start(self, *, patient: bool = False) -> None:
+        """Register in the home shard (raises EtcdError when it is down, as one etcd does, unless patient),
+        then in every other shard; one that does not answer is registered in the background when it does."""
+        await self.home.start(patient=patient)
+        for membership in self.shards[1:]:
+            await membership.start(patient=True)
 
     async def stop(self) -> None:
         """Revoke every shard's lease (a shard that is down lets it expire)."""
-        for task in self._later:
-            await stop_task(task)
-        self._later.clear()
         await asyncio.gather(*(m.stop() for m in self.shards))
 
     def update_load(self, num_queued: int, num_running: int, prefill_tokens_per_s: float) -> None:
@@ -122,17 +109,6 @@ class ShardedMembership:
 
     def update_adapters(self, adapters: tuple[str, ...]) -> None:
         self.home.update_adapters(adapters)
-
-    @staticmethod
-    async def _start_later(membership: Membership) -> None:
-        while True:
-            await asyncio.sleep(membership.config.retry_s)
-            try:
-                await membership.start()
-                log.info("node %s: registered in a shard that was down", membership.record.node_id)
-                return
-            except EtcdError:
-                continue
 
 
 class ShardedPublisher:

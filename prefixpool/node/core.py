@@ -6,7 +6,8 @@
                                                    index shards one of each per shard (meta/shards.py)
         exchange: fetch from peers, publish placement (node/exchange.py)
     found = await core.join()      SSD files from an earlier run indexed, then registered: the
-                                   record and every block (those found included) under the lease;
+                                   record and every block (those found included) under the lease
+                                   (patient: etcd out of reach -> registered when it answers);
                                    finished SSD writes are collected and published every collect_s
     await core.leave()             nothing more is written; the lease is revoked: the record and
                                    every block key leave etcd at once (a drain's first step)
@@ -87,13 +88,14 @@ class NodeCore:
     def record(self) -> NodeRecord:
         return self.membership.record
 
-    async def join(self) -> list[BlockKey]:
-        """Register the node and its blocks under a fresh lease; the SSD blocks found from an earlier run."""
+    async def join(self, *, patient: bool = False) -> list[BlockKey]:
+        """Register the node and its blocks under a fresh lease; the SSD blocks found from an earlier run.
+        etcd out of reach raises EtcdError, or with `patient` registers in the background when it answers."""
         found = self.blocks.scan()  # before registering: registration publishes blocks.entries(), these included
         if found:
             log.info("node %s: %d valid SSD blocks from an earlier run", self.record.node_id, len(found))
         await self.publisher.start()  # before membership: registering hands it the lease
-        await self.membership.start()
+        await self.membership.start(patient=patient)
         self._collect = asyncio.create_task(self._collect_ssd(), name="ssd-collect")
         return found
 

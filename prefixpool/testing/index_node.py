@@ -46,9 +46,9 @@ class IndexNode:
         """The home shard's client (the only one, unsharded)."""
         return self.clients[0]
 
-    async def start(self):
+    async def start(self, patient: bool = False):
         await self.publisher.start()
-        await self.membership.start()
+        await self.membership.start(patient=patient)
         return self
 
     async def stop(self) -> None:

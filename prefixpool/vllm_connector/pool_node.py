@@ -114,7 +114,8 @@ class PoolNode:
         record = NodeRecord(self.config.pool_node_id(), "", "", namespace.block_size, self.config.pool_blocks,
                             namespace.model, kind=POOL_KIND, namespace=namespace.root().hex())
         self.core = await NodeCore.open(self.blocks, self.arena, _node_config(self.config), record)
-        await self.core.join()  # a warm SSD tier from an earlier run is published on registering
+        # patient: etcd too slow to answer while vLLM starts must not fail vLLM's engine (CI saw it on 2 cores)
+        await self.core.join(patient=True)  # a warm SSD tier from an earlier run is published on registering
         log.info("prefixpool pool %s serving %s (%d blocks of %d bytes)", record.node_id,
                  self.core.record.transfer_url, self.config.pool_blocks, self.arena.block_bytes)
 

@@ -179,3 +179,29 @@ def test_membership_start_fails_fast_when_etcd_is_absent(ns):
             await node.stop()
 
     assert asyncio.run(scenario()) == "EtcdUnavailable"
+
+
+def test_patient_start_registers_when_etcd_answers(own_etcd, ns):
+    """etcd frozen (connections open, no answer: CI's slow etcd) at start: no error, nothing written; resumed,
+    the node registers by itself and publishes what it stored meanwhile, exactly."""
+
+    async def scenario():
+        os.kill(own_etcd.pid, signal.SIGSTOP)
+        try:
+            node = await LocalNode(own_etcd.endpoint, ns, "n0", ttl_s=3).start(patient=True)
+            assert node.membership.lease_id is None
+            node.store(CHAINS[0])
+            node.evict(CHAINS[0][4:])
+        finally:
+            os.kill(own_etcd.pid, signal.SIGCONT)
+        async with asyncio.timeout(30):
+            while node.membership.lease_id is None:
+                await asyncio.sleep(0.05)
+        mirror = await start_mirror(own_etcd.endpoint, ns)
+        await settle(mirror, [node])
+        check_against_oracle(own_etcd, mirror, ns, [node])
+        assert mirror.longest_prefix(CHAINS[0]) == {"n0": 4}
+        await stop_mirror(mirror)
+        await node.stop()
+
+    asyncio.run(scenario())

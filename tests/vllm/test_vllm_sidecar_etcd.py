@@ -16,7 +16,6 @@ import time
 
 import pytest
 
-from prefixpool.deploy.etcd_server import EtcdServer
 from prefixpool.deploy.processes import READY_PREFIX, python_argv
 from prefixpool.deploy.vllm_fleet import sidecar_args
 from prefixpool.deploy.vllm_server import VllmConfig, VllmServer
@@ -36,17 +35,6 @@ def server(config, tmp_path_factory):
     started = VllmServer.start(config, tmp_path_factory.mktemp("sidecar-etcd"), "v")
     yield started
     started.stop()
-
-
-@pytest.fixture
-def frozen_etcd():
-    etcd = EtcdServer().start()
-    os.kill(etcd.pid, signal.SIGSTOP)
-    try:
-        yield etcd
-    finally:
-        os.kill(etcd.pid, signal.SIGCONT)
-        etcd.stop()
 
 
 def test_a_sidecar_registers_once_etcd_answers_again(config, server, frozen_etcd, tmp_path):
