@@ -132,8 +132,10 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
     vllm = router.kind_clients["vllm"] = VllmClient(settings.model, read_timeout_s=settings.request_timeout_s)
     sock = listen(settings.host, settings.port)  # bound first: the load entry names the real port
     url = f"http://{settings.advertise_host}:{sock.getsockname()[1]}"
-    publisher = LoadPublisher(etcd, layout, settings.router_id, router.inflight,
-                              LoadPublisherConfig(ttl_s=settings.lease_ttl_s, period_s=settings.load_publish_s), url)
+    config = LoadPublisherConfig(ttl_s=settings.lease_ttl_s, period_s=settings.load_publish_s,
+                                 alone_period_s=settings.load_publish_alone_s)
+    publisher = LoadPublisher(etcd, layout, settings.router_id, router.inflight, config, url,
+                              peers=lambda: mirror.fleet.active(settings.router_id, 2 * config.alone_period_s))
     router.inflight.on_change = publisher.changed
     await mirror.start()
     await publisher.start()

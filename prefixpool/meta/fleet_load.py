@@ -76,6 +76,13 @@ class FleetLoad:
         """Router id -> revision of its entry."""
         return {router_id: entry.revision for router_id, entry in self._entries.items()}
 
+    def active(self, exclude: str, within_s: float) -> int:
+        """Routers but `exclude` that have work in flight or changed their entry within `within_s`: the ones
+        that read the others' entries to decide (an idle router's entry stays as it is, empty)."""
+        recent = self.clock() - within_s
+        return sum(1 for router_id, entry in self._entries.items() if router_id != exclude and (
+            entry.received_at >= recent or any(num for num, _ in entry.load.workers.values())))
+
     def share(self, worker: str, exclude: str = "") -> tuple[int, int]:
         """(requests, queued prefill tokens) on `worker` summed over every router but `exclude`."""
         requests = tokens = 0

@@ -4,6 +4,12 @@
     loop:   woken by the tracker's on_change, or every ttl/4 for the keepalive:
             keepalive(L) when due; if the snapshot changed since the last put, put it; then sleep
             `period_s`, so a burst of begins and ends costs one put, not one each
+    alone:  while no other router is routing (`peers()` is 0: none in the fleet, or all idle), only an
+            end is put at once (the ordering point the workers' own load reports need: router/inflight.py);
+            other changes (begins, first tokens, routed keys) wait up to `alone_period_s`: nobody else
+            reads them, and each put costs this router, etcd and every mirror CPU on the request path.
+            A router that starts routing sees this one's entry (ends current, begins up to
+            `alone_period_s` late) and puts its own changes at once; this one leaves alone mode on them
     lost L: (etcd restarted empty, the router stalled past the TTL) grant a new one, put again
     stop:   revoke L: the entry leaves etcd now; a killed router's entry leaves when L expires
 
@@ -17,7 +23,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from prefixpool.meta.background import stop_task
 from prefixpool.meta.etcd_client import EtcdClient, EtcdError, LeaseNotFound
@@ -39,12 +45,15 @@ class LoadPublisherConfig:
     ttl_s: int = 10
     period_s: float = 0.02  # at most one put per period
     retry_s: float = 0.5
+    alone_period_s: float = 1.0  # while no other router is in the fleet: at most one put per this, ends aside
 
 
 class LoadPublisher:
     def __init__(self, client: EtcdClient, layout: Layout, router_id: str, tracker: LoadSource,
-                 config: LoadPublisherConfig = LoadPublisherConfig(), url: str = "") -> None:  # fmt: skip
+                 config: LoadPublisherConfig = LoadPublisherConfig(), url: str = "",
+                 peers: Callable[[], int] = lambda: 1) -> None:  # fmt: skip
         self.client, self.layout, self.router_id, self.config = client, layout, router_id, config
+        self.peers = peers  # how many other routers the fleet has now (the default: assume some)
         self.url = url  # where this router serves, as it advertises it
         self.tracker = tracker
         self.lease_id: int | None = None
@@ -52,6 +61,8 @@ class LoadPublisher:
         self.num_puts = 0
         self._published: tuple[dict[str, tuple[int, int]], dict[str, list[bytes]]] | None = None
         self._kept_at = 0.0  # time.monotonic() of the latest grant or keepalive
+        self._put_at = 0.0  # time.monotonic() of the latest put
+        self._held_back = False  # a change waits for alone_period_s
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -81,11 +92,16 @@ class LoadPublisher:
         await self._put_if_changed()
         log.info("router %s publishes its load under lease %x", self.router_id, self.lease_id)
 
-    async def _put_if_changed(self) -> None:
+    async def _put_if_changed(self, alone: bool = False) -> None:
         current, routed = self.tracker.snapshot(), self.tracker.routed()
-        # a load that went back to what etcd holds still needs a put after it: the workers' own reports count
-        # only once etcd ordered them after the router's latest change (router/service.py, _load)
-        if (current, routed) == self._published and not self.tracker.unpublished():
+        self._held_back = False
+        # a load that went back to what etcd holds still needs a put after an end: the workers' own reports
+        # count only once etcd ordered them after the router's latest end (router/service.py, _load)
+        unordered = self.tracker.unpublished()
+        if (current, routed) == self._published and not unordered:
+            return
+        if alone and not unordered and time.monotonic() - self._put_at < self.config.alone_period_s:
+            self._held_back = True
             return
         assert self.lease_id is not None
         load = RouterLoad(self.router_id, current, self.url, routed)
@@ -93,11 +109,12 @@ class LoadPublisher:
         self._published = current, routed
         self.tracker.published(current, self.revision)
         self.num_puts += 1
+        self._put_at = time.monotonic()
 
     async def _run(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), self.config.ttl_s / 4)
+                await asyncio.wait_for(self._wake.wait(), self._wait_s())
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
@@ -113,10 +130,17 @@ class LoadPublisher:
                 self._wake.set()
             await asyncio.sleep(self.config.period_s)
 
+    def _wait_s(self) -> float:
+        """Until the keepalive is due, or a held-back change may go."""
+        wait = self.config.ttl_s / 4
+        if self._held_back:
+            wait = min(wait, max(0.0, self._put_at + self.config.alone_period_s - time.monotonic()))
+        return wait
+
     async def _step(self) -> None:
         if self.lease_id is None:
             await self._register()
         elif time.monotonic() - self._kept_at >= self.config.ttl_s / 4:
             await self.client.keepalive(self.lease_id)
             self._kept_at = time.monotonic()
-        await self._put_if_changed()
+        await self._put_if_changed(alone=self.peers() == 0)

@@ -22,8 +22,10 @@ class WorkerInflight:
     queued_prefill_tokens: int = 0
     num_queued: int = 0
     num_running: int = 0
-    # etcd revision of the put that published our latest change here (prefixpool.meta.fleet_load); None while a
-    # change is not yet published. A worker's own load report is newer than our count only past it.
+    # etcd revision of the put that published our latest end here (prefixpool.meta.fleet_load); None while an end
+    # is not yet published. A worker's own load report is newer than our count only past it: an older report may
+    # still count a request of ours that ended. A begin needs no such point: a report that misses our new request
+    # is only below our own count, which includes it.
     published_revision: int | None = 0
 
 
@@ -53,7 +55,6 @@ class InflightTracker:
         load = self._workers.setdefault(worker, WorkerInflight())
         load.queued_prefill_tokens += prefill_tokens
         load.num_queued += 1
-        load.published_revision = None
         self.on_change()
         return ticket_id
 
@@ -66,7 +67,6 @@ class InflightTracker:
         load.queued_prefill_tokens -= ticket.prefill_tokens
         load.num_queued -= 1
         load.num_running += 1
-        load.published_revision = None
         self.on_change()
 
     def end(self, ticket_id: int) -> None:
@@ -90,7 +90,7 @@ class InflightTracker:
                 if load.num_queued or load.num_running}
 
     def unpublished(self) -> bool:
-        """Some change is not yet ordered by a put, even where the load went back to what etcd holds."""
+        """Some end is not yet ordered by a put, even where the load went back to what etcd holds."""
         return any(load.published_revision is None for load in self._workers.values())
 
     def published(self, snapshot: dict[str, tuple[int, int]], revision: int) -> None:

@@ -1,4 +1,5 @@
-"""A router's load entry in a real etcd: every change put, and a load back where etcd has it put again."""
+"""A router's load entry in a real etcd: every change put, and a load back where etcd has it put again; a router
+alone in its fleet puts an end at once and holds other changes back."""
 
 import asyncio
 
@@ -68,3 +69,57 @@ def test_every_change_is_put_and_a_load_back_where_it_was_is_put_again(etcd, ns)
     revisions, seen = asyncio.run(scenario(etcd.endpoint, ns))
     assert seen == [{"w0": (i, 100 * i)} for i in range(1, 6)] + [{"w0": (5, 500)}]
     assert len(revisions) == 7 and revisions == sorted(set(revisions))  # the start, five changes, the same again
+
+
+async def alone(endpoint: str, ns: str, alone_period_s: float) -> tuple[int, dict, int, dict]:
+    """No other router: three begins (no end among them), then an end. The puts after the begins and what etcd
+    holds a moment later; the puts once the end is in etcd, and what it holds."""
+    client = EtcdClient(endpoint)
+    tracker = Tracker()
+    config = LoadPublisherConfig(ttl_s=5, period_s=0.01, alone_period_s=alone_period_s)
+    publisher = LoadPublisher(client, Layout(ns), "r0", tracker, config, peers=lambda: 0)
+    try:
+        await publisher.start()  # the first entry: a put
+        for i in range(1, 4):
+            tracker.load = {"w0": (i, 100 * i)}
+            publisher.changed()
+            await asyncio.sleep(0.05)
+        held = len(tracker.revisions), await in_etcd(client, ns)
+        tracker.load, tracker.pending = {"w0": (2, 200)}, True
+        publisher.changed()
+        async with asyncio.timeout(10):
+            while tracker.pending:
+                await asyncio.sleep(0.01)
+        return *held, len(tracker.revisions), await in_etcd(client, ns)
+    finally:
+        await publisher.stop()
+        await client.close()
+
+
+def test_alone_an_end_is_put_at_once_and_begins_wait(etcd, ns):
+    puts, seen, puts_after_end, seen_after_end = asyncio.run(alone(etcd.endpoint, ns, alone_period_s=60.0))
+    assert (puts, seen) == (1, {})  # the start's put only: the begins are held back
+    assert (puts_after_end, seen_after_end) == (2, {"w0": (2, 200)})
+
+
+async def held_back_goes(endpoint: str, ns: str) -> dict:
+    """No other router, begins only: what etcd holds once the held-back change had its period."""
+    client = EtcdClient(endpoint)
+    tracker = Tracker()
+    config = LoadPublisherConfig(ttl_s=5, period_s=0.01, alone_period_s=0.3)
+    publisher = LoadPublisher(client, Layout(ns), "r0", tracker, config, peers=lambda: 0)
+    try:
+        await publisher.start()
+        tracker.load = {"w0": (1, 100)}
+        publisher.changed()
+        async with asyncio.timeout(10):
+            while len(tracker.revisions) < 2:
+                await asyncio.sleep(0.01)
+        return await in_etcd(client, ns)
+    finally:
+        await publisher.stop()
+        await client.close()
+
+
+def test_alone_a_held_back_change_is_put_after_its_period(etcd, ns):
+    assert asyncio.run(held_back_goes(etcd.endpoint, ns)) == {"w0": (1, 100)}

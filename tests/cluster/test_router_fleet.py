@@ -113,11 +113,12 @@ async def _router(endpoint: str, ns: str, router_id: str, publish: bool):
     return router, mirror, publisher
 
 
-async def _published(router: Router, worker: str) -> int:
+async def _put(publisher: LoadPublisher, puts_before: int) -> int:
+    """The revision of the publisher's first put after `puts_before` (a change woke it: that put has it)."""
     async with asyncio.timeout(DEADLINE_S):
-        while (revision := router.inflight.load_of(worker).published_revision) is None:
+        while publisher.num_puts == puts_before:
             await asyncio.sleep(0.005)
-    return revision
+    return publisher.revision
 
 
 async def _take_turns(endpoint: str, ns: str, num_routers: int, publish: bool,
@@ -130,14 +131,15 @@ async def _take_turns(endpoint: str, ns: str, num_routers: int, publish: bool,
             while any(len(mirror.nodes) < 2 or not len(mirror.index) for _, mirror, _ in parts):
                 await asyncio.sleep(0.01)
         for i in range(num_requests):
-            router = parts[i % num_routers][0]
+            router, _, publisher = parts[i % num_routers]
+            puts_before = publisher.num_puts if publisher is not None else 0
             body = CompletionBody(model="tiny", prompt=PREFIX + f"question number {i:03d}, forty tokens long",
                                   max_tokens=1)
             plan, _ = router.decide(router.prepare(body))
             router.inflight.begin(plan.worker, plan.prefill_tokens)
             counts[plan.worker] += 1
             if publish:  # the next decision, on whichever router, sees this one
-                revision = await _published(router, plan.worker)
+                revision = await _put(publisher, puts_before)
                 for _, mirror, _ in parts:
                     await mirror.wait_revision(revision)
     finally:

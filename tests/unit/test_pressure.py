@@ -232,6 +232,21 @@ def test_other_routers_routed_keys_count_until_their_ttl():
     assert fleet.share("b") == (1, 544), "its load still does (the lease decides that)"
 
 
+def test_a_router_is_active_while_it_has_work_in_flight_or_changed_its_entry_lately():
+    clock = Clock()
+    fleet = FleetLoad(clock=clock)
+    fleet.put(RouterLoad("me", {"a": (3, 10)}), revision=1)
+    fleet.put(RouterLoad("idle", {}), revision=2)
+    fleet.put(RouterLoad("busy", {"a": (1, 0), "b": (0, 0)}), revision=3)
+    assert fleet.active(exclude="me", within_s=2.0) == 2  # both just put
+    clock.now += 2.5
+    assert fleet.active(exclude="me", within_s=2.0) == 1, "only the one with a request in flight"
+    fleet.put(RouterLoad("busy", {"a": (0, 0)}), revision=4)
+    assert fleet.active(exclude="me", within_s=2.0) == 1, "its last change was just now"
+    clock.now += 2.5
+    assert fleet.active(exclude="me", within_s=2.0) == 0 and fleet.active(exclude="x", within_s=2.0) == 1
+
+
 def test_the_router_publishes_its_speculative_entries_and_reads_the_others():
     view = _View()
     router = _router(view)

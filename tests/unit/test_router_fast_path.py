@@ -82,21 +82,25 @@ def test_load_is_own_plus_the_other_routers_latest_entries():
 
 
 def test_tracker_marks_workers_published_only_when_unchanged_since_the_snapshot():
+    """Only an end needs a put to order the workers' own reports after it; a begin leaves the mark as it was."""
     tracker = InflightTracker()
     changes = []
     tracker.on_change = lambda: changes.append(1)
-    a = tracker.begin("a", 10)
+    a, b = tracker.begin("a", 10), tracker.begin("b", 20)
+    assert tracker.load_of("a").published_revision == tracker.load_of("b").published_revision == 0
+    assert not tracker.unpublished()
+    tracker.started(a)
+    tracker.end(a)
+    assert tracker.load_of("a").published_revision is None and tracker.unpublished()
     snapshot = tracker.snapshot()
-    b = tracker.begin("b", 20)  # changed after the snapshot was taken
+    tracker.end(b)  # changed after the snapshot was taken
     tracker.published(snapshot, 5)
     assert tracker.load_of("a").published_revision == 5
     assert tracker.load_of("b").published_revision is None
-    tracker.started(a)
-    tracker.end(a)
-    tracker.end(b)
     assert len(changes) == 5 and tracker.snapshot() == {}
     tracker.published({}, 9)
-    assert tracker.load_of("a").published_revision == tracker.load_of("b").published_revision == 9
+    assert tracker.load_of("a").published_revision == 5 and tracker.load_of("b").published_revision == 9
+    assert not tracker.unpublished()
     tracker.check_integrity()
 
 
