@@ -45,7 +45,7 @@ class LoadPublisherConfig:
     ttl_s: int = 10
     period_s: float = 0.02  # at most one put per period
     retry_s: float = 0.5
-    alone_period_s: float = 1.0  # while no other router is in the fleet: at most one put per this, ends aside
+    alone_period_s: float = 1.0  # while no other router is routing: at most one put per this, ends aside
 
 
 class LoadPublisher:
