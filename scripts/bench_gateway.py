@@ -15,7 +15,8 @@ vLLM's own: the rise of vllm:prefix_cache_hits_total over vllm:prefix_cache_quer
 both servers; TTFT and ITL percentiles are the client's; the ideal is one never-evicting cache fed the
 same prompts. sglang-router is installed into .venv-vllm on first use (pip, sglang-router==0.3.2).
 A fleet is reused across its shape's fronts (a reset empties it; vLLM starts take most of a run), warmed
-up first with --warm-up; the fronts run interleaved, so a slow spell of the shared machine falls on all of them.
+up first with --warm-up (and with --warm-up-arm by one whole run of the shape through our round robin, shown
+and not counted); the fronts run interleaved, so a slow spell of the shared machine falls on all of them.
 """
 
 from __future__ import annotations
@@ -258,12 +259,16 @@ def warm_up(cluster: LocalCluster, shape: Shape) -> None:
 
 
 def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp: Path, out: Path | None,
-              warm: bool, server: dict) -> None:
-    """`server`: VllmConfig fields for both servers (worker_nice, spin_s)."""
+              warm: bool, server: dict, warm_arm: bool = False) -> None:
+    """`server`: VllmConfig fields for both servers (worker_nice, spin_s); `warm_arm`: one run of the shape
+    through our round robin before the counted ones, its row shown as not counted."""
     config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks, **server)
     with LocalCluster(num_workers=0, vllm=config, num_vllm=2, log_dir=tmp / f"logs-{shape.name}") as cluster:
         if warm:
             warm_up(cluster, shape)
+        if warm_arm:
+            arm = run_arm("round_robin", shape, cluster, model_dir, tmp)
+            emit(row({**arm, "front": "round_robin (warm-up, not counted)"}), out)
         arms: dict[str, list[dict]] = {front: [] for front in fronts}
         for round_no in range(repeat):
             order = fronts[round_no % len(fronts):] + fronts[:round_no % len(fronts)]
@@ -346,6 +351,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1, help="rounds of the fronts per shape, rotated")
     parser.add_argument("--warm-up", action="store_true", help="send each fresh fleet a few prompts first "
                         "(runs with it showed requests stalled for tens of seconds under every front; off by default)")
+    parser.add_argument("--warm-up-arm", action="store_true", help="then one whole run of the shape through our "
+                        "round robin, shown and not counted: the first front of a fleet otherwise runs on servers "
+                        "that still meet new batch shapes (rotated rounds put the same front first on every fleet)")
     parser.add_argument("--vllm-worker-nice", type=int, default=0, help="run each vLLM server's model worker at "
                         "this niceness (`prefixpool up --vllm-worker-nice`): it spins for 1 s after every step, so "
                         "> 0 lets the fronts, the client, vLLM's API servers and the other server go first")
@@ -393,7 +401,8 @@ def main() -> None:
             added_latency(args.added, model_dir, Path(tmp), out, server)
             return
         for shape in args.shapes:
-            run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out, args.warm_up, server)
+            run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out, args.warm_up, server,
+                      args.warm_up_arm)
     emit("", out)
     for shape in args.shapes:
         emit(f"- {shape.name}: {shape.describe()}", out)
