@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -214,19 +215,55 @@ def run_arm(front: str, shape: Shape, cluster: LocalCluster, model_dir: Path, wo
             "load": os.getloadavg()[0]}
 
 
+def ttfts_ms(arm: dict) -> np.ndarray:
+    r = arm["result"]
+    return np.array([t * 1000 for t, error in zip(r["ttfts"], r["errors"]) if not error])
+
+
 def pooled(arms: list[dict]) -> dict:
     """One front's rounds on one shape as one arm: hits over queries summed, percentiles over every request."""
     results = [arm["result"] for arm in arms]
-    ttfts = [t * 1000 for r in results for t, ok in zip(r["ttfts"], r["errors"]) if not ok]
+    ttfts = np.concatenate([ttfts_ms(arm) for arm in arms])
     itls = [t * 1000 for r in results for per_request in r["itls"] for t in per_request]
     queries = [sum(column) for column in zip(*(arm["queries"] for arm in arms))]
     result = {"completed": sum(r["completed"] for r in results), "num_prompts": sum(r["num_prompts"] for r in results),
-              **{f"p{p}_ttft_ms": float(np.percentile(ttfts, p)) for p in (50, 90, 99) if ttfts},
+              **{f"p{p}_ttft_ms": float(np.percentile(ttfts, p)) for p in (50, 90, 99) if len(ttfts)},
               **{f"p{p}_itl_ms": float(np.percentile(itls, p)) for p in (50, 99) if itls}}
     return {**arms[0], "front": f"{arms[0]['front']}, {len(arms)} rounds pooled", "result": result,
             "hit_rate": sum(arm["hits"] for arm in arms) / max(sum(queries), 1),
             "split": sum(arm["split"] for arm in arms) / len(arms),  # per round: a front may favour another server
             "preempted": sum(arm["preempted"] for arm in arms), "load": sum(arm["load"] for arm in arms) / len(arms)}
+
+
+def rank_test(ours: list[float], theirs: list[float]) -> tuple[float, float]:
+    """Exact one-sided Mann-Whitney test over runs: (p that ours are this much lower by chance, p that they are
+    this much higher). Every split of the pooled values into the two fronts' sizes is equally likely if the front
+    does not matter; with 3 runs each the smallest p is 1/20, reached when every run of one front beats every
+    run of the other. Runs, not requests, are the unit: runs of one front differ more than the requests in a run
+    do (the shared machine), so a test over requests calls such run-to-run drift a difference."""
+
+    def below(xs: list[float], ys: list[float]) -> float:
+        return sum((x < y) + 0.5 * (x == y) for x in xs for y in ys)
+
+    values, observed = ours + theirs, below(ours, theirs)
+    splits = [below([values[i] for i in chosen], [values[i] for i in range(len(values)) if i not in chosen])
+              for chosen in map(set, itertools.combinations(range(len(values)), len(ours)))]
+    return (sum(u >= observed for u in splits) / len(splits), sum(u <= observed for u in splits) / len(splits))
+
+
+def difference_row(shape: str, front: str, ours: list[dict], theirs: list[dict], alpha: float = 0.05) -> str:
+    cells, verdicts = [], []
+    for p in (90, 99):
+        mine, other = ([float(np.percentile(ttfts_ms(arm), p)) for arm in arms] for arms in (ours, theirs))
+        lower, higher = rank_test(mine, other)
+        cells.append(f"{' '.join(f'{x:.1f}' for x in mine)} / {' '.join(f'{x:.1f}' for x in other)}")
+        verdicts.append("better" if lower <= alpha else "worse" if higher <= alpha else "not told apart")
+    return f"| {shape} | prefixpool {front} | {cells[0]} | {cells[1]} | {verdicts[0]} / {verdicts[1]} |"
+
+
+DIFFERENCE_HEADER = ["", "Per run, ours / sglang-router's; a verdict where an exact rank test over the runs gives",
+                     "p <= 0.05:", "", "| shape | front | TTFT p90 ms per run | TTFT p99 ms per run | p90 / p99 |",
+                     "|---|---|---|---|---|"]
 
 
 def row(arm: dict) -> str:
@@ -259,7 +296,7 @@ def warm_up(cluster: LocalCluster, shape: Shape) -> None:
 
 
 def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp: Path, out: Path | None,
-              warm: bool, server: dict, warm_arm: bool = False) -> None:
+              warm: bool, server: dict, warm_arm: bool = False) -> dict[str, list[dict]]:
     """`server`: VllmConfig fields for both servers (worker_nice, spin_s); `warm_arm`: one run of the shape
     through our round robin before the counted ones, its row shown as not counted."""
     config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks, **server)
@@ -277,6 +314,15 @@ def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp
                 emit(row(arms[front][-1]), out)
         for front in fronts if repeat > 1 else ():
             emit(row(pooled(arms[front])), out)
+    return arms
+
+
+def difference_table(shapes: list[tuple[str, dict[str, list[dict]]]], out: Path | None) -> None:
+    """Each of our fronts against sglang-router, per shape, once every shape has run (--repeat 2 or more)."""
+    lines = [difference_row(shape, front, arms[front], arms["sglang"]) for shape, arms in shapes
+             for front in arms if front != "sglang" and "sglang" in arms and len(arms[front]) > 1]
+    for line in DIFFERENCE_HEADER + lines if lines else ():
+        emit(line, out)
 
 
 def added_latency(requests: int, model_dir: Path, tmp: Path, out: Path | None, server: dict) -> None:
@@ -400,9 +446,9 @@ def main() -> None:
         if args.added:
             added_latency(args.added, model_dir, Path(tmp), out, server)
             return
-        for shape in args.shapes:
-            run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out, args.warm_up, server,
-                      args.warm_up_arm)
+        ran = [(shape.name, run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out, args.warm_up,
+                                      server, args.warm_up_arm)) for shape in args.shapes]
+    difference_table(ran, out)
     emit("", out)
     for shape in args.shapes:
         emit(f"- {shape.name}: {shape.describe()}", out)

@@ -36,6 +36,7 @@ from collections.abc import Awaitable
 from aiohttp import web
 
 from prefixpool.deploy.addresses import AddressError, advertise_host, bind_host
+from prefixpool.deploy.heap import freeze_startup_heap
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.meta.load_publisher import LoadPublisher, LoadPublisherConfig
@@ -151,6 +152,7 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
     tasks = [asyncio.create_task(_follow_prefill_speed(router, mirror))]
     if settings.processes > 1:  # a scrape reaches one process: every process keeps its gauges current
         tasks.append(asyncio.create_task(_refresh_gauges(router)))
+    log.info("startup heap frozen: %d objects out of the collector's full passes", freeze_startup_heap())
     on_ready(url)
     log.info("router %s serving %s (policy %s)", settings.router_id, url, settings.policy)
     stop = asyncio.Event()

@@ -35,6 +35,7 @@ from prefixpool.engine.torch_dtype import resolve_device, torch_dtype
 from prefixpool.engine.checkpoint import build_model
 from prefixpool.model.source import MODEL_ERRORS, cache_namespace, tokenizer_for
 from prefixpool.deploy.processes import announce_ready, start_logging
+from prefixpool.deploy.heap import freeze_startup_heap
 from prefixpool.deploy.settings import add_flags, from_args
 from prefixpool.worker.service import Worker, WorkerPeriods
 from prefixpool.worker.drain import drain_worker
@@ -120,6 +121,7 @@ async def serve(settings: WorkerSettings, host: str, advertise: str) -> None:
     await core.join()  # HTTP first: a router may call as soon as the record is in etcd
     worker.start()
     load_task = asyncio.create_task(report_load(lambda: _sample_load(worker), core.membership))
+    log.info("startup heap frozen: %d objects out of the collector's full passes", freeze_startup_heap())
     announce_ready(http_url)
     log.info("worker %s serving %s (transfer %s)", node_id, http_url, core.record.transfer_url)
     await _wait_for_signal()

@@ -1,0 +1,63 @@
+"""The gateway benchmark's tail verdict: an exact rank test over runs, not requests."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_gateway.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_gateway", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def runs(rng: np.random.Generator, shift_ms: float, count: int = 3, requests: int = 360,
+         run_spread_ms: float = 4.0) -> list[dict]:
+    """Runs as vLLM's client saves them: a run-wide offset (the machine's mood) plus per-request TTFTs."""
+    arms = []
+    for _ in range(count):
+        offset = shift_ms + rng.normal(0, run_spread_ms)
+        errors = [""] * requests
+        errors[0] = "failed"  # a failed request's TTFT is not counted
+        arms.append({"result": {"ttfts": list((rng.gamma(2.0, 7.0, requests) + 5 + offset) / 1000), "errors": errors}})
+    return arms
+
+
+def test_rank_test_is_exact_on_three_runs_each(bench):
+    assert bench.rank_test([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]) == (pytest.approx(1 / 20), 1.0)
+    assert bench.rank_test([4.0, 5.0, 6.0], [1.0, 2.0, 3.0]) == (1.0, pytest.approx(1 / 20))
+    lower, higher = bench.rank_test([1.0, 5.0, 3.0], [4.0, 2.0, 6.0])
+    assert lower > 0.05 and higher > 0.05
+
+
+def test_a_front_slower_by_far_more_than_the_runs_vary_is_called_worse(bench):
+    rng = np.random.default_rng(1)
+    assert bench.difference_row("ref", "pressure", runs(rng, 25.0), runs(rng, 0.0)).endswith("| worse / worse |")
+    assert bench.difference_row("ref", "pressure", runs(rng, -25.0), runs(rng, 0.0)).endswith("| better / better |")
+
+
+def test_run_to_run_drift_alone_is_rarely_called_a_difference(bench):
+    """Both fronts drawn from one distribution whose runs drift: a test over requests calls most of these a
+    difference; over runs, at most its level (2 x 1/20 for both directions) plus sampling slack."""
+    rng = np.random.default_rng(7)
+    rows = [bench.difference_row("ref", "pressure", runs(rng, 0.0), runs(rng, 0.0)) for _ in range(120)]
+    called = sum(not row.endswith("| not told apart / not told apart |") for row in rows)
+    assert called <= 0.2 * len(rows), called
+
+
+def test_failed_requests_are_left_out(bench):
+    arm = runs(np.random.default_rng(5), 0.0, count=1)[0]
+    assert len(bench.ttfts_ms(arm)) == 359
