@@ -284,6 +284,38 @@ HEADER = ["| shape | front | done | vLLM hit rate | ideal | TTFT p50 ms | p90 | 
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
 
+def process_tree(root: int) -> list[int]:
+    """`root` and every process below it, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                children.setdefault(int(stat[stat.rfind(")") + 2:].split()[1]), []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+def pin_servers(cluster: LocalCluster) -> dict[str, int]:
+    """Each vLLM server's process tree, every thread, onto a CPU of its own (server i on the i-th CPU this
+    process may use, modulo): one accelerator per server, as a GPU fleet has. Unpinned, the server a front
+    loads most borrows the other server's core while that one idles, which no GPU server can."""
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = {}
+    for i, (name, server) in enumerate(cluster.vllm_servers.items()):
+        pinned[name] = cpus[i % len(cpus)]
+        for pid in process_tree(server.pid):
+            with contextlib.suppress(OSError):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(int(tid), {pinned[name]})
+    return pinned
+
+
 def warm_up(cluster: LocalCluster, shape: Shape) -> None:
     """A few prompts of the shape's lengths on each server, some at once: a fresh vLLM's first requests are
     slow (first batch shapes), and without this the first front of a fleet would pay for them."""
@@ -296,11 +328,13 @@ def warm_up(cluster: LocalCluster, shape: Shape) -> None:
 
 
 def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp: Path, out: Path | None,
-              warm: bool, server: dict, warm_arm: bool = False) -> dict[str, list[dict]]:
+              warm: bool, server: dict, warm_arm: bool = False, pin: bool = False) -> dict[str, list[dict]]:
     """`server`: VllmConfig fields for both servers (worker_nice, spin_s); `warm_arm`: one run of the shape
     through our round robin before the counted ones, its row shown as not counted."""
     config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks, **server)
     with LocalCluster(num_workers=0, vllm=config, num_vllm=2, log_dir=tmp / f"logs-{shape.name}") as cluster:
+        if pin:
+            print(f"vLLM servers pinned: {pin_servers(cluster)}", file=sys.stderr)
         if warm:
             warm_up(cluster, shape)
         if warm_arm:
@@ -408,6 +442,8 @@ def parse_args() -> argparse.Namespace:
                         f"--vllm-spin-s`, default {DEFAULT_SPIN_S}; 'vllm': vLLM's own 1 s)")
     parser.add_argument("--added", type=int, default=0, help="instead of the shapes: N requests in turn to one vLLM "
                         "server directly, through our router and through sglang-router (what each front adds)")
+    parser.add_argument("--pin-servers", action="store_true", help="each vLLM server's processes on a CPU of "
+                        "their own, as one accelerator per server (unpinned, a busy server borrows an idle one's core)")
     parser.add_argument("--limit", type=int, default=0, help="at most this many prompts per run (0: the shape's)")
     parser.add_argument("--hidden-size", type=int, default=128, help="the random Llama's hidden size (intermediate "
                         "2x). 128 with 2 layers: a prefill costs about what a front adds, so TTFT mostly measures the "
@@ -447,7 +483,7 @@ def main() -> None:
             added_latency(args.added, model_dir, Path(tmp), out, server)
             return
         ran = [(shape.name, run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out, args.warm_up,
-                                      server, args.warm_up_arm)) for shape in args.shapes]
+                                      server, args.warm_up_arm, args.pin_servers)) for shape in args.shapes]
     difference_table(ran, out)
     emit("", out)
     for shape in args.shapes:
