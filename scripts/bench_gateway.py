@@ -43,6 +43,7 @@ import aiohttp
 import numpy as np
 
 from prefixpool.deploy.launcher import LocalCluster
+from prefixpool.deploy.priority import group_members, threads
 from prefixpool.deploy.processes import python_argv, spawn
 from prefixpool.deploy.vllm_fleet import DEFAULT_SPIN_S, spin_seconds
 from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, VllmConfig
@@ -284,35 +285,18 @@ HEADER = ["| shape | front | done | vLLM hit rate | ideal | TTFT p50 ms | p90 | 
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and every process below it, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                children.setdefault(int(stat[stat.rfind(")") + 2:].split()[1]), []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, ()))
-    return tree
-
-
 def pin_servers(cluster: LocalCluster) -> dict[str, int]:
-    """Each vLLM server's process tree, every thread, onto a CPU of its own (server i on the i-th CPU this
+    """Each vLLM server's processes, every thread, onto a CPU of its own (server i on the i-th CPU this
     process may use, modulo): one accelerator per server, as a GPU fleet has. Unpinned, the server a front
     loads most borrows the other server's core while that one idles, which no GPU server can."""
     cpus = sorted(os.sched_getaffinity(0))
     pinned = {}
     for i, (name, server) in enumerate(cluster.vllm_servers.items()):
         pinned[name] = cpus[i % len(cpus)]
-        for pid in process_tree(server.pid):
-            with contextlib.suppress(OSError):
-                for tid in os.listdir(f"/proc/{pid}/task"):
-                    with contextlib.suppress(OSError):
-                        os.sched_setaffinity(int(tid), {pinned[name]})
+        for pid in group_members(server.pid, ""):  # each server runs in a process group of its own (setsid)
+            for tid in threads(pid):
+                with contextlib.suppress(OSError):  # the thread ended meanwhile
+                    os.sched_setaffinity(tid, {pinned[name]})
     return pinned
 
 

@@ -36,6 +36,14 @@ def group_members(pgid: int, name_prefix: str) -> list[int]:
     return sorted(found)
 
 
+def threads(pid: int) -> list[int]:
+    """The ids of `pid`'s live threads (none if it is gone)."""
+    try:
+        return [int(task.name) for task in (PROC / str(pid) / "task").iterdir()]
+    except OSError:
+        return []
+
+
 def thread_niceness(pid: int) -> dict[int, int]:
     """Each live thread of `pid` and its niceness."""
     niceness = {}
@@ -50,7 +58,7 @@ def renice_group(pgid: int, name_prefix: str, niceness: int) -> list[int]:
     """Set every thread of the group's `name_prefix` processes to `niceness`; the pids set."""
     pids = group_members(pgid, name_prefix)
     for pid in pids:
-        for tid in thread_niceness(pid):
+        for tid in threads(pid):
             try:
                 os.setpriority(os.PRIO_PROCESS, tid, niceness)
             except ProcessLookupError:  # the thread ended meanwhile

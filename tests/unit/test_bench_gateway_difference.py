@@ -64,25 +64,29 @@ def test_failed_requests_are_left_out(bench):
 
 
 def test_pin_servers_moves_every_process_of_each_server_onto_its_own_cpu(bench):
-    """A stand-in for the fleet (only its servers' pids are read): each 'server' a shell with a child."""
+    """A stand-in for the fleet (only its servers' pids are read): each 'server' a shell with a child, in a
+    process group of its own as vLLM servers are started."""
     import os
     import subprocess
     import time
     from types import SimpleNamespace
 
-    procs = [subprocess.Popen(["sh", "-c", "sleep 30 & wait"]) for _ in range(2)]
+    from prefixpool.deploy.priority import group_members
+
+    procs = [subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True) for _ in range(2)]
     try:
         deadline = time.monotonic() + 5
-        while any(len(bench.process_tree(p.pid)) < 2 for p in procs) and time.monotonic() < deadline:
+        while any(len(group_members(p.pid, "")) < 2 for p in procs) and time.monotonic() < deadline:
             time.sleep(0.02)
         cluster = SimpleNamespace(vllm_servers={f"vllm-{i}": SimpleNamespace(pid=p.pid) for i, p in enumerate(procs)})
         pinned = bench.pin_servers(cluster)
         cpus = sorted(os.sched_getaffinity(0))
         assert pinned == {"vllm-0": cpus[0], "vllm-1": cpus[1 % len(cpus)]}
         for i, p in enumerate(procs):
-            tree = bench.process_tree(p.pid)
-            assert len(tree) == 2  # the shell and its sleep
-            assert all(os.sched_getaffinity(pid) == {pinned[f"vllm-{i}"]} for pid in tree)
+            group = group_members(p.pid, "")
+            assert len(group) == 2  # the shell and its sleep
+            assert all(os.sched_getaffinity(pid) == {pinned[f"vllm-{i}"]} for pid in group)
+        assert os.sched_getaffinity(0) == set(cpus)  # this process, outside both groups, is left alone
     finally:
         for p in procs:
             p.kill()
