@@ -141,48 +141,52 @@ async def _serve(request: web.Request, router: Router, prepared: Prepared) -> we
     raise router.failure(Failed("the worker ended the stream without finishing", 502))
 
 
+class _EventStream(web.StreamResponse):
+    """An SSE answer whose headers leave with its first frame, in one write (aiohttp sends a StreamResponse's
+    headers at prepare() unless told otherwise: a packet, and a client wake-up, more before the first token)."""
+
+    _send_headers_immediately = False
+
+
 async def _serve_stream(request: web.Request, router: Router, prepared: Prepared) -> web.StreamResponse:
     drain = request.app[DRAIN_KEY]
     async with contextlib.aclosing(router.generate(prepared)) as events:
         async with drain.until_deadline():
             first = await anext(events)  # routing errors (and the drain deadline) still become an error response here
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = _EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         detok = Detokenizer(router.tokenizer.decode)
         frames = fmt.StreamFrames(prepared.request_id, prepared.model, prepared.chat)
-        if prepared.chat:
-            await response.write(frames.first())
+        opening = frames.first() if prepared.chat else b""  # a chat stream's role frame goes with its first token
         try:
             async with drain.until_deadline():
-                await _relay(prepared, first, events, detok, frames, response, _logprobs_shape(router, prepared))
+                end = await _relay(prepared, first, events, detok, frames, response, _logprobs_shape(router, prepared),
+                                   opening)
         except DrainDeadline as err:
-            await response.write(frames.frame(fmt.error_chunk(f"router shutting down: {err}", 503)))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            end = frames.frame(fmt.error_chunk(f"router shutting down: {err}", 503))
+        await response.write_eof(end + b"data: [DONE]\n\n")  # the last frames and the stream's end: one write
         return response
 
 
 async def _relay(prepared: Prepared, event: Event, events: AsyncIterator[Event], detok: Detokenizer,
-                 frames: fmt.StreamFrames, response: web.StreamResponse, logprobs: LogprobsShape | None) -> None:
-    """Stream events as SSE frames from `event` on, until Done or Failed: a frame per token, its text empty
-    while the detokenizer holds back part of a character (vLLM streams one per token too)."""
+                 frames: fmt.StreamFrames, response: web.StreamResponse, logprobs: LogprobsShape | None,
+                 opening: bytes) -> bytes:
+    """Stream events as SSE frames from `event` on, `opening` before the first, until Done or Failed: a frame
+    per token, its text empty while the detokenizer holds back part of a character (vLLM streams one per token
+    too). Answers the frames that end the stream (finish and usage, or the error), for the caller to write."""
     while True:
         if isinstance(event, Token):
             # "" while it ends inside a character: still a frame, as vLLM sends (clients time the first token
             # by the first chunk; held back, a split character delayed it by a token)
             text = detok.push(event.token)
-            if logprobs is not None:
-                await response.write(frames.token(text, logprobs.of((event,))))
-            else:
-                await response.write(frames.text(text))
+            frame = frames.token(text, logprobs.of((event,))) if logprobs is not None else frames.text(text)
+            await response.write(opening + frame)
+            opening = b""
         elif isinstance(event, Done):
-            await response.write(frames.last(detok.flush(), event.finish_reason))
-            if prepared.include_usage:
-                await response.write(frames.usage(event.usage))
-            return
+            end = frames.last(detok.flush(), event.finish_reason)
+            return opening + (end + frames.usage(event.usage) if prepared.include_usage else end)
         elif isinstance(event, Failed):
-            await response.write(frames.frame(fmt.error_chunk(event.message, event.status)))
-            return
+            return opening + frames.frame(fmt.error_chunk(event.message, event.status))
         event = await anext(events, Failed("the worker ended the stream without finishing", 502))
 
 
