@@ -1,6 +1,7 @@
 """vLLM's own benchmark client against 2 vLLM servers behind our router (per policy) and behind sglang-router.
 
-    python scripts/bench_gateway.py [--shapes ref,many,long,fast,random] [--fronts pressure,cost,round_robin,sglang]
+    python scripts/bench_gateway.py [--shapes ref,many,long,fast,random]
+                                    [--fronts pressure,cost,round_robin,sglang[,sglang-nodelay]]
                                     [--repeat 1] [--out benchmarks/gateway.md] [--hidden-size 128 --layers 2]
     python scripts/bench_gateway.py --added 150     # what each front adds to one server's TTFT, requests in turn
 
@@ -14,6 +15,10 @@ dataset prefix_repetition or random) sends the shape's prompts at its Poisson ra
 vLLM's own: the rise of vllm:prefix_cache_hits_total over vllm:prefix_cache_queries_total, summed over
 both servers; TTFT and ITL percentiles are the client's; the ideal is one never-evicting cache fed the
 same prompts. sglang-router is installed into .venv-vllm on first use (pip, sglang-router==0.3.2).
+The front `sglang-nodelay` is the same sglang-router with TCP_NODELAY set on each socket it accepts
+(scripts/nodelay_shim.c, loaded with LD_PRELOAD, built with the system's C compiler): as shipped it
+sends a stream's headers and first chunk in two writes with Nagle's algorithm on, and about one answer
+in ten waits for the client's delayed ACK (40 ms) before its first token.
 A fleet is reused across its shape's fronts (a reset empties it; vLLM starts take most of a run), warmed
 up first with --warm-up (and with --warm-up-arm by one whole run of the shape through our round robin, shown
 and not counted); the fronts run interleaved, so a slow spell of the shared machine falls on all of them.
@@ -29,6 +34,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -58,6 +64,7 @@ SGLANG_ROUTER = "sglang-router==0.3.2"
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
 ROUTER_POLICIES = ("pressure", "cost", "round_robin", "cost_local", "least_load")
+PEERS = {"sglang": "sglang-router cache_aware", "sglang-nodelay": "sglang-router cache_aware, TCP_NODELAY added"}
 
 
 @dataclass(frozen=True)
@@ -134,17 +141,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class SglangRouter:
-    """sglang-router 0.3.2 (Rust, from PyPI) over the vLLM servers, cache_aware; stopped by its own pid."""
+def build_nodelay_shim(directory: Path) -> Path:
+    """scripts/nodelay_shim.c built into `directory` by the system's C compiler (cc)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("the sglang-nodelay front needs a C compiler (cc) to build scripts/nodelay_shim.c")
+    library = directory / "nodelay_shim.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(REPO / "scripts" / "nodelay_shim.c"),
+                    "-ldl"], check=True, capture_output=True)
+    return library
 
-    def __init__(self, urls: list[str], log_dir: Path) -> None:
+
+class SglangRouter:
+    """sglang-router 0.3.2 (Rust, from PyPI) over the vLLM servers, cache_aware; stopped by its own pid.
+    `nodelay`: with TCP_NODELAY on each socket it accepts (build_nodelay_shim, LD_PRELOAD)."""
+
+    def __init__(self, urls: list[str], log_dir: Path, nodelay: bool = False) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         log = open(log_dir / f"sglang-router-{port}.log", "w")
+        env = {**os.environ, "LD_PRELOAD": str(build_nodelay_shim(log_dir))} if nodelay else None
         self.process = subprocess.Popen(
             [str(DEFAULT_PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-             "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"],
-            stdout=log, stderr=subprocess.STDOUT)
+             "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn",
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],  # its own, on loopback
+            stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
@@ -173,8 +194,8 @@ def ensure_sglang_router() -> None:
 
 def start_front(front: str, cluster: LocalCluster, log_dir: Path):
     """A fresh front: (its URL, an object with stop())."""
-    if front == "sglang":
-        router = SglangRouter([s.url for s in cluster.vllm_servers.values()], log_dir)
+    if front in PEERS:
+        router = SglangRouter([s.url for s in cluster.vllm_servers.values()], log_dir, front == "sglang-nodelay")
         return router.url, router
     child = spawn(f"router-{front}-{time.monotonic_ns()}", python_argv(
         "router", "--port", "0", *cluster._common(), *cluster._model(), "--policy", front), log_dir)
@@ -252,19 +273,21 @@ def rank_test(ours: list[float], theirs: list[float]) -> tuple[float, float]:
     return (sum(u >= observed for u in splits) / len(splits), sum(u <= observed for u in splits) / len(splits))
 
 
-def difference_row(shape: str, front: str, ours: list[dict], theirs: list[dict], alpha: float = 0.05) -> str:
+def difference_row(shape: str, front: str, ours: list[dict], theirs: list[dict], alpha: float = 0.05,
+                   peer: str = PEERS["sglang"]) -> str:
     cells, verdicts = [], []
     for p in (90, 99):
         mine, other = ([float(np.percentile(ttfts_ms(arm), p)) for arm in arms] for arms in (ours, theirs))
         lower, higher = rank_test(mine, other)
         cells.append(f"{' '.join(f'{x:.1f}' for x in mine)} / {' '.join(f'{x:.1f}' for x in other)}")
         verdicts.append("better" if lower <= alpha else "worse" if higher <= alpha else "not told apart")
-    return f"| {shape} | prefixpool {front} | {cells[0]} | {cells[1]} | {verdicts[0]} / {verdicts[1]} |"
+    return f"| {shape} | prefixpool {front} | {peer} | {cells[0]} | {cells[1]} | {verdicts[0]} / {verdicts[1]} |"
 
 
-DIFFERENCE_HEADER = ["", "Per run, ours / sglang-router's; a verdict where an exact rank test over the runs gives",
-                     "p <= 0.05:", "", "| shape | front | TTFT p90 ms per run | TTFT p99 ms per run | p90 / p99 |",
-                     "|---|---|---|---|---|"]
+DIFFERENCE_HEADER = ["", "Per run, ours / the peer's; a verdict where an exact rank test over the runs gives",
+                     "p <= 0.05:", "",
+                     "| shape | front | against | TTFT p90 ms per run | TTFT p99 ms per run | p90 / p99 |",
+                     "|---|---|---|---|---|---|"]
 
 
 def row(arm: dict) -> str:
@@ -273,8 +296,7 @@ def row(arm: dict) -> str:
     def ms(metric: str, p: int) -> str:
         return f"{r.get(f'p{p}_{metric}_ms', float('nan')):,.1f}"
 
-    front = arm["front"].replace("sglang", "sglang-router cache_aware", 1)
-    front = front if front.startswith("sglang") else f"prefixpool {front}"
+    front = PEERS.get(arm["front"], f"prefixpool {arm['front']}")
     return (f"| {arm['shape']} | {front} | {r['completed']}/{r['num_prompts']} | **{arm['hit_rate']:.3f}** | "
             f"{arm['ideal']:.3f} | {ms('ttft', 50)} | {ms('ttft', 90)} | {ms('ttft', 99)} | {ms('itl', 50)} | "
             f"{ms('itl', 99)} | {arm['split']:.2f} | {int(arm['preempted'])} | {arm['load']:.1f} |")
@@ -336,9 +358,9 @@ def run_shape(shape: Shape, fronts: list[str], repeat: int, model_dir: Path, tmp
 
 
 def difference_table(shapes: list[tuple[str, dict[str, list[dict]]]], out: Path | None) -> None:
-    """Each of our fronts against sglang-router, per shape, once every shape has run (--repeat 2 or more)."""
-    lines = [difference_row(shape, front, arms[front], arms["sglang"]) for shape, arms in shapes
-             for front in arms if front != "sglang" and "sglang" in arms and len(arms[front]) > 1]
+    """Each of our fronts against each sglang-router front, per shape, once every shape has run (--repeat 2+)."""
+    lines = [difference_row(shape, front, arms[front], arms[peer], peer=PEERS[peer]) for shape, arms in shapes
+             for peer in PEERS if peer in arms for front in arms if front not in PEERS and len(arms[front]) > 1]
     for line in DIFFERENCE_HEADER + lines if lines else ():
         emit(line, out)
 
@@ -346,20 +368,23 @@ def difference_table(shapes: list[tuple[str, dict[str, list[dict]]]], out: Path 
 def added_latency(requests: int, model_dir: Path, tmp: Path, out: Path | None, server: dict) -> None:
     """What each front adds to one vLLM server's TTFT, without queueing: `requests` streamed completions in
     turn (the random shape's prompt: its 512-token prefix, 32 random tokens, 4 out), each sent directly, through
-    our router (pressure) and through sglang-router, in a shuffled order; the first 5 rounds are not counted."""
+    our router (pressure) and through sglang-router (as shipped, and with TCP_NODELAY added), in a shuffled order;
+    the first 5 rounds are not counted."""
     shape = SHAPES["random"]
     config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks, **server)
     tokenizer = load_tokenizer(model_dir)
     with LocalCluster(num_workers=0, vllm=config, num_vllm=1, log_dir=tmp / "logs-added") as cluster:
         direct = next(iter(cluster.vllm_servers.values())).url
         ours_url, ours = start_front("pressure", cluster, tmp)
-        sglang = SglangRouter([direct], tmp)
+        peers = {name: SglangRouter([direct], tmp, nodelay=front == "sglang-nodelay") for front, name in PEERS.items()}
         try:
-            paths = {"vLLM directly": direct, "prefixpool pressure": ours_url, "sglang-router cache_aware": sglang.url}
+            paths = {"vLLM directly": direct, "prefixpool pressure": ours_url,
+                     **{name: peer.url for name, peer in peers.items()}}
             ttfts = asyncio.run(_in_turn(paths, tokenizer, shape, requests))
         finally:
             ours.stop()
-            sglang.stop()
+            for peer in peers.values():
+                peer.stop()
     base = {p: float(np.percentile(ttfts["vLLM directly"], p)) for p in (50, 90)}
     emit("| path | requests | TTFT p50 ms | p90 | added p50 ms | added p90 |", out)
     emit("|---|---:|---:|---:|---:|---:|", out)
@@ -411,7 +436,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     parser.add_argument("--fronts", default="pressure,cost,round_robin,sglang",
-                        help=f"comma list: router policies ({', '.join(ROUTER_POLICIES)}) and sglang")
+                        help=f"comma list: router policies ({', '.join(ROUTER_POLICIES)}), sglang and sglang-nodelay "
+                        "(sglang-router with TCP_NODELAY added: scripts/nodelay_shim.c)")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of the fronts per shape, rotated")
     parser.add_argument("--warm-up", action="store_true", help="send each fresh fleet a few prompts first "
                         "(runs with it showed requests stalled for tens of seconds under every front; off by default)")
@@ -425,7 +451,8 @@ def parse_args() -> argparse.Namespace:
                         help="how long each vLLM server's processes spin after a message (`prefixpool up "
                         f"--vllm-spin-s`, default {DEFAULT_SPIN_S}; 'vllm': vLLM's own 1 s)")
     parser.add_argument("--added", type=int, default=0, help="instead of the shapes: N requests in turn to one vLLM "
-                        "server directly, through our router and through sglang-router (what each front adds)")
+                        "server directly, through our router and through sglang-router, as shipped and with "
+                        "TCP_NODELAY added (what each front adds)")
     parser.add_argument("--pin-servers", action="store_true", help="each vLLM server's processes on a CPU of "
                         "their own, as one accelerator per server (unpinned, a busy server borrows an idle one's core)")
     parser.add_argument("--limit", type=int, default=0, help="at most this many prompts per run (0: the shape's)")
@@ -441,13 +468,15 @@ def parse_args() -> argparse.Namespace:
     if args.limit:
         args.shapes = [dataclasses.replace(s, num_prompts=min(s.num_prompts, args.limit)) for s in args.shapes]
     args.fronts = args.fronts.split(",")
-    assert all(f in ROUTER_POLICIES or f == "sglang" for f in args.fronts), args.fronts
+    unknown = [f for f in args.fronts if f not in ROUTER_POLICIES and f not in PEERS]
+    if unknown:
+        parser.error(f"unknown fronts {unknown}: choose from {', '.join((*ROUTER_POLICIES, *PEERS))}")
     return args
 
 
 def main() -> None:
     args = parse_args()
-    if "sglang" in args.fronts:
+    if args.added or any(front in PEERS for front in args.fronts):
         ensure_sglang_router()
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache between fronts
     out = Path(args.out) if args.out else None

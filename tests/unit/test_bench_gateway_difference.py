@@ -91,3 +91,37 @@ def test_pin_servers_moves_every_process_of_each_server_onto_its_own_cpu(bench):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_each_of_our_fronts_is_compared_with_each_sglang_front(bench, capsys):
+    rng = np.random.default_rng(3)
+    arms = {"pressure": runs(rng, 0.0), "cost": runs(rng, 0.0), "sglang": runs(rng, 0.0),
+            "sglang-nodelay": runs(rng, 0.0)}
+    bench.difference_table([("ref", arms)], None)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ref |")]
+    pairs = {tuple(cell.strip() for cell in row.split("|")[2:4]) for row in rows}
+    assert pairs == {(f"prefixpool {front}", name) for front in ("pressure", "cost") for name in bench.PEERS.values()}
+
+
+ACCEPTED_NODELAY = """
+import socket
+server = socket.create_server(("127.0.0.1", 0))
+client = socket.create_connection(server.getsockname())
+accepted, _ = server.accept()
+print(accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0)
+"""
+
+
+def test_the_nodelay_shim_sets_tcp_nodelay_on_each_accepted_socket(bench, tmp_path):
+    """The sglang-nodelay front's LD_PRELOAD library, built as the bench builds it, in a process that accepts."""
+    import os
+    import subprocess
+
+    library = bench.build_nodelay_shim(tmp_path)
+
+    def accepted_nodelay(env: dict[str, str]) -> str:
+        return subprocess.run([sys.executable, "-c", ACCEPTED_NODELAY], env={**os.environ, **env}, check=True,
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+
+    assert accepted_nodelay({}) == "False"  # Linux's default, and sglang-router's: Nagle's algorithm on
+    assert accepted_nodelay({"LD_PRELOAD": str(library)}) == "True"
