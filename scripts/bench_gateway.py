@@ -296,7 +296,8 @@ def row(arm: dict) -> str:
     def ms(metric: str, p: int) -> str:
         return f"{r.get(f'p{p}_{metric}_ms', float('nan')):,.1f}"
 
-    front = PEERS.get(arm["front"], f"prefixpool {arm['front']}")
+    key = arm["front"].split(",")[0].split(" ")[0]  # "sglang-nodelay, 2 rounds pooled", "round_robin (warm-up..."
+    front = PEERS.get(key, f"prefixpool {key}") + arm["front"][len(key):]
     return (f"| {arm['shape']} | {front} | {r['completed']}/{r['num_prompts']} | **{arm['hit_rate']:.3f}** | "
             f"{arm['ideal']:.3f} | {ms('ttft', 50)} | {ms('ttft', 90)} | {ms('ttft', 99)} | {ms('itl', 50)} | "
             f"{ms('itl', 99)} | {arm['split']:.2f} | {int(arm['preempted'])} | {arm['load']:.1f} |")

@@ -125,3 +125,13 @@ def test_the_nodelay_shim_sets_tcp_nodelay_on_each_accepted_socket(bench, tmp_pa
 
     assert accepted_nodelay({}) == "False"  # Linux's default, and sglang-router's: Nagle's algorithm on
     assert accepted_nodelay({"LD_PRELOAD": str(library)}) == "True"
+
+
+def test_rows_name_each_front_pooled_or_not(bench):
+    arm = {"shape": "ref", "result": {"completed": 1, "num_prompts": 1}, "hit_rate": 0.5, "ideal": 0.9, "split": 0.5,
+           "preempted": 0, "load": 1.0}
+    names = {front: bench.row({**arm, "front": front}).split(" | ")[1] for front in
+             ("pressure", "sglang", "sglang-nodelay, 2 rounds pooled", "round_robin (warm-up, not counted)")}
+    assert names == {"pressure": "prefixpool pressure", "sglang": "sglang-router cache_aware",
+                     "sglang-nodelay, 2 rounds pooled": "sglang-router cache_aware, TCP_NODELAY added, 2 rounds pooled",
+                     "round_robin (warm-up, not counted)": "prefixpool round_robin (warm-up, not counted)"}
