@@ -377,8 +377,10 @@ def added_latency(requests: int, model_dir: Path, tmp: Path, out: Path | None, s
     with LocalCluster(num_workers=0, vllm=config, num_vllm=1, log_dir=tmp / "logs-added") as cluster:
         direct = next(iter(cluster.vllm_servers.values())).url
         ours_url, ours = start_front("pressure", cluster, tmp)
-        peers = {name: SglangRouter([direct], tmp, nodelay=front == "sglang-nodelay") for front, name in PEERS.items()}
+        peers: dict[str, SglangRouter] = {}
         try:
+            for front, name in PEERS.items():  # one at a time: those started are stopped if a later one fails
+                peers[name] = SglangRouter([direct], tmp, nodelay=front == "sglang-nodelay")
             paths = {"vLLM directly": direct, "prefixpool pressure": ours_url,
                      **{name: peer.url for name, peer in peers.items()}}
             ttfts = asyncio.run(_in_turn(paths, tokenizer, shape, requests))
