@@ -192,10 +192,15 @@ def ensure_sglang_router() -> None:
         subprocess.run([str(DEFAULT_PYTHON), "-m", "pip", "install", "-q", SGLANG_ROUTER], check=True)
 
 
+def start_peer(front: str, urls: list[str], log_dir: Path) -> SglangRouter:
+    """A fresh sglang-router for the peer front `front` (a key of PEERS) over `urls`."""
+    return SglangRouter(urls, log_dir, nodelay=front == "sglang-nodelay")
+
+
 def start_front(front: str, cluster: LocalCluster, log_dir: Path):
     """A fresh front: (its URL, an object with stop())."""
     if front in PEERS:
-        router = SglangRouter([s.url for s in cluster.vllm_servers.values()], log_dir, front == "sglang-nodelay")
+        router = start_peer(front, [s.url for s in cluster.vllm_servers.values()], log_dir)
         return router.url, router
     child = spawn(f"router-{front}-{time.monotonic_ns()}", python_argv(
         "router", "--port", "0", *cluster._common(), *cluster._model(), "--policy", front), log_dir)
@@ -380,7 +385,7 @@ def added_latency(requests: int, model_dir: Path, tmp: Path, out: Path | None, s
         peers: dict[str, SglangRouter] = {}
         try:
             for front, name in PEERS.items():  # one at a time: those started are stopped if a later one fails
-                peers[name] = SglangRouter([direct], tmp, nodelay=front == "sglang-nodelay")
+                peers[name] = start_peer(front, [direct], tmp)
             paths = {"vLLM directly": direct, "prefixpool pressure": ours_url,
                      **{name: peer.url for name, peer in peers.items()}}
             ttfts = asyncio.run(_in_turn(paths, tokenizer, shape, requests))
