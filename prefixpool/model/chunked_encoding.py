@@ -1,28 +1,40 @@
-"""Exact encoding of a long text in chunks, each chunk's ids kept for the next text that repeats it.
+r"""Exact encoding of a long text in chunks, each chunk's ids kept for the next text that repeats it.
 
 Shared prompts repeat as text: a router tokenizes the same system prompt, few-shot block or RAG
 document with every request. A byte-level BPE tokenizer cuts text into pieces with one regex and
 encodes each piece on its own; where every piece ends and the next begins regardless of what
 follows, the text can be encoded chunk by chunk with the same ids as whole.
 
-    cut:    a single space between two ASCII letters ("a|_b"), the first one at least
-            MIN_CHUNK_CHARS after the previous cut (content-defined: two texts that share a
-            beginning share its chunks, whatever comes after)
+    cut:    before a single space that follows a character no regex engine counts as whitespace
+            ("x|_", "a.|_b", "7|_", "\ufffd|_"), the first one at least MIN_CHUNK_CHARS after the
+            previous cut (content-defined: two texts that share a beginning share its chunks,
+            whatever comes after)
     encode: ids(text) = ids(chunk 0) + ids(chunk 1) + ..., each chunk's ids from the cache
             or encoded (all the missing ones in one call), then kept (least recently used
             chunk out first)
 
-Why a cut there is exact, for the tokenizers `refusal` accepts (no normalizer but NFC, which
-leaves ASCII letters and spaces alone and composes nothing across them; a pre-tokenizer that is
-GPT-2's byte-level regex or a Split on one of KNOWN_SPLITS followed by a byte-level mapping; a BPE
-model without dropout; added tokens without spaces and without lstrip/rstrip/single_word; no
-truncation or padding; encoded without special tokens, so no post-processor): in each of these
-regexes no alternative matches across "letter, space": the match that holds the letter is a
-letter run or a contraction and ends at the space, and every alternative tried on the way looks
-at most one character past a letter run (the space, or the chunk's end: the same refusal); the
-match at the space starts afresh, and none of the regexes looks behind. An added token cannot
-straddle the cut (it would contain the space). tests/unit/test_chunked_encoding.py checks it on
-drawn texts for every known regex, against the tokenizer encoding the whole text.
+Why a cut there is exact, for the tokenizers `refusal` accepts (no normalizer but NFC; a
+pre-tokenizer that is GPT-2's byte-level regex or a Split on one of KNOWN_SPLITS followed by a
+byte-level mapping; a BPE model without dropout; added tokens without spaces and without
+lstrip/rstrip/single_word; no truncation or padding; encoded without special tokens, so no
+post-processor). Call the character before the cut X and the space S:
+- no piece holds both X and S. In each of these regexes a space is matched only as the first
+  character of a match (the optional leading `[^\r\n\p{L}\p{N}]?` or ` ?`) or inside a run of
+  whitespace only (`\s+`, `\s+(?!\S)`, `\s*[\r\n]+`); every other part (letters, digits,
+  contractions, `[^\s\p{L}\p{N}]+`, `[\r\n/]*`) excludes it. A match holding X is not a
+  whitespace run (X is not whitespace) and does not start at S, so it ends at X;
+- so a match starts at S, and none of the regexes looks behind or anchors: the matches of the
+  rest of the text from S are those of the chunk that starts there. Before S, the match that
+  ends at X ends there whether S or the chunk's end follows (each part that can end at X is a
+  greedy run of a class that holds neither); the only lookahead, `(?!\S)`, follows whitespace,
+  which X ends;
+- NFC leaves S alone and composes nothing across it (a space is a starter that is never the
+  second part of a composition), so it normalizes chunk by chunk as whole; an added token cannot
+  straddle the cut (it would hold the space).
+"Whitespace" for X is the union of every engine's (Python's `str.isspace`, Unicode's White_Space,
+Oniguruma's and Rust's `\s`) and the zero-width characters some of them once counted
+(U+180E, U+200B-U+200D, U+2060, U+FEFF). tests/unit/test_chunked_encoding.py checks it on drawn
+texts for every known regex, against the tokenizer encoding the whole text.
 
 Anything else (Metaspace/SentencePiece tokenizers, other regexes, WordPiece, Unigram) is refused
 and encoded whole, as before. Knows nothing of routers or models.
@@ -40,10 +52,11 @@ from prefixpool.store.keys import TOKEN_DTYPE
 
 MIN_CHUNK_CHARS = 64
 MAX_CACHED_CHUNKS = 8192  # about 100 characters and 100 ids each: a few MB
-MAX_CACHED_CHARS = 1024  # a longer chunk (text with few cuts: code, CJK, digits) is encoded, not kept: <= ~40 MB
-CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
+MAX_CACHED_CHARS = 1024  # a longer chunk (text with few spaces: CJK, long tokens) is encoded, not kept: <= ~40 MB
+NOT_SPACE = r"[^\s\u180e\u200b-\u200d\u2060\ufeff]"  # Python's \s (str) holds Unicode's White_Space and \x1c-\x1f
+CUT = re.compile(f"(?<={NOT_SPACE}) ")
 
-# Split regexes (tokenizer.json's pre_tokenizer pattern) whose pieces end at "letter|space letter":
+# Split regexes (tokenizer.json's pre_tokenizer pattern) that match a space only first or among whitespace:
 KNOWN_SPLITS = {
     "cl100k (Llama 3)": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                         r"|\s*[\r\n]+|\s+(?!\S)|\s+",
@@ -91,12 +104,12 @@ def _pre_tokenizer_refusal(pre: dict | None) -> str | None:
     if split.get("behavior") != "Isolated" or split.get("invert"):
         return f"Split behaviour {split.get('behavior')} (invert {split.get('invert')})"
     if (split.get("pattern") or {}).get("Regex") not in KNOWN_SPLITS.values():
-        return "Split on a regex not known to end its pieces at 'letter|space letter'"
+        return "Split on a regex not known to match a space only first or among whitespace"
     return None
 
 
 def cuts(text: str, min_chars: int = MIN_CHUNK_CHARS) -> list[int]:
-    """Where `text` is cut: each the first "letter|space letter" at least min_chars after the last."""
+    """Where `text` is cut: each the first "non-whitespace|space" at least min_chars after the last."""
     found, last = [], 0
     while (match := CUT.search(text, last + min_chars)) is not None:
         last = match.start()

@@ -25,6 +25,8 @@ FRAGMENTS = [
     "  ", " ", "\n", "\r\n", "\t", "\n\n  ", "123", "4567 89", "3.14", "!!", "?!", " ,", ". ", "...", "--",
     "é", "e\u0301", "\u0301", "ß", "東京", "Ω", "ǅ", "ʰ", "٣", "²", "<|eot_id|>", "<|im_start|>", "<|", "|>",
     "a<|eot_id|>b", "q\u200b", "/", "a/b", "z z", "Q Q", "a  b", "a\nb", "a \nb", "a \tb",
+    ". ", ") {", "7 ", "\ufffd ", "\ufffd\ufffd", "x\x1c y", "\x1f ", "\xa0 ", "\x85 ", "\u2028 ", "\u180e ",
+    "\u200b ", "\ufeff ", "\u3000 ", "' ", "'s ", "\u0301 ", "e\u0301 x", "\r ", "\n ", "\t ",
 ]
 TEXTS = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=6)), min_size=1, max_size=60).map("".join)
 
@@ -86,13 +88,40 @@ def test_texts_sharing_a_beginning_reuse_its_chunks_and_stay_exact(shared, tails
     assert encoder.num_hits >= (len(tails) - 1) * len(full_chunks)
 
 
-def test_cuts_are_content_defined_and_at_a_letter_space_letter():
-    text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"
+def test_cuts_are_content_defined_and_before_a_space_after_non_whitespace():
+    text = "alpha beta, gamma (delta) epsilon: 42 zeta? \ufffd eta  theta\t iota\u00a0 kappa lambda mu"
     found = cuts(text, 10)
-    assert found and all(text[b - 1].isalpha() and text[b] == " " and text[b + 1].isalpha() for b in found)
+    assert found and all(text[b] == " " and not text[b - 1].isspace() for b in found)
     assert all(b - a >= 10 for a, b in zip([0, *found], found))
     assert cuts(text + " and then something else entirely", 10)[: len(found) - 1] == found[:-1]
-    assert cuts("1 2 3 4 5 6 7 8 9 0 ! ? . , ; :" * 4, 2) == []  # no letters: one chunk
+    assert cuts("1 2 3 4 5 6 7 8 9 0 ! ? . , ; :" * 4, 2)  # digits and punctuation cut too
+    assert cuts("\u200b \ufeff \u180e \x1c \u3000 \u2028 \xa0 \t \n " * 4, 1) == []  # never after whitespace
+
+
+def test_random_token_text_cuts_often():
+    """vLLM's benchmark datasets decode random token ids; most of such a text is now cached chunks."""
+    tokenizer = ACCEPTED["tiny llama (bench)"]
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(3, tokenizer.get_vocab_size(), 512).tolist()
+    encode = whole(tokenizer)
+    encoder = ChunkedEncoder(encode)
+    texts = [tokenizer.decode(prefix + rng.integers(3, tokenizer.get_vocab_size(), 32).tolist()) for _ in range(4)]
+    for text in texts:
+        assert encoder.encode(text).tolist() == encode([text])[0]
+    assert len(cuts(texts[0])) >= len(texts[0]) // 200
+    assert encoder.num_hits >= 3 * (len(cuts(texts[0])) - 2)
+
+
+@pytest.mark.parametrize("words", ["данные модель запрос ответ кэш", "λόγος δεδομένα μοντέλο αίτημα",
+                                   "डेटा मॉडल अनुरोध उत्तर सर्वर", "{'a': 1, 'b': [2, 3]} x = f(y) + 1"])
+def test_text_without_ascii_words_is_cut_and_reused(words):
+    """Scripts other than Latin, JSON and code cut too (before, only "ASCII letter|space ASCII letter" did)."""
+    encode = whole(ACCEPTED["cl100k (Llama 3)"])
+    encoder = ChunkedEncoder(encode, min_chars=16)
+    shared = " ".join([words] * 20)
+    for tail in (" один?", " δύο?", " 3?"):
+        assert encoder.encode(shared + tail).tolist() == encode([shared + tail])[0]
+    assert len(cuts(shared, 16)) >= 10 and encoder.num_hits >= 2 * (len(cuts(shared, 16)) - 1)
 
 
 def test_the_cache_is_bounded_and_keeps_the_recently_used():
