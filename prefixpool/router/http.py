@@ -150,18 +150,19 @@ class _EventStream(web.StreamResponse):
 
 async def _serve_stream(request: web.Request, router: Router, prepared: Prepared) -> web.StreamResponse:
     drain = request.app[DRAIN_KEY]
+    # made while the worker computes, not between its first token and the client
+    response = _EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    detok = Detokenizer(router.tokenizer.decode)
+    frames = fmt.StreamFrames(prepared.request_id, prepared.model, prepared.chat)
+    opening = frames.first() if prepared.chat else b""  # a chat stream's role frame goes with its first token
+    logprobs = _logprobs_shape(router, prepared)
     async with contextlib.aclosing(router.generate(prepared)) as events:
         async with drain.until_deadline():
             first = await anext(events)  # routing errors (and the drain deadline) still become an error response here
-        response = _EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        detok = Detokenizer(router.tokenizer.decode)
-        frames = fmt.StreamFrames(prepared.request_id, prepared.model, prepared.chat)
-        opening = frames.first() if prepared.chat else b""  # a chat stream's role frame goes with its first token
         try:
             async with drain.until_deadline():
-                end = await _relay(prepared, first, events, detok, frames, response, _logprobs_shape(router, prepared),
-                                   opening)
+                end = await _relay(prepared, first, events, detok, frames, response, logprobs, opening)
         except DrainDeadline as err:
             end = frames.frame(fmt.error_chunk(f"router shutting down: {err}", 503))
         await response.write_eof(end + b"data: [DONE]\n\n")  # the last frames and the stream's end: one write

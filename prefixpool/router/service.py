@@ -292,10 +292,10 @@ class Router:
                         if isinstance(event, Failed) and not streamed and event.status >= 500:
                             refused = event
                             raise WorkerUnreachable(f"failed before the first token: {event.message}")
+                        ttft_s = None
                         if isinstance(event, Token):
                             if not streamed and not emitted:
-                                self.inflight.started(ticket)
-                                self.metrics.ttft.observe(time.perf_counter() - start)
+                                ttft_s = time.perf_counter() - start
                             streamed = True
                             emitted.append(event.token)
                         if isinstance(event, Done):
@@ -305,6 +305,9 @@ class Router:
                                 self.metrics.observe_handoff(event.usage.fetched_bytes, event.usage.handoff_s)
                                 handed = event.usage
                         yield event
+                        if ttft_s is not None:  # once the first token has left: its bookkeeping is not on its path
+                            self.inflight.started(ticket)
+                            self.metrics.ttft.observe(ttft_s)
                 return
             except WorkerUnreachable as err:
                 log.warning("worker %s failed: %s", plan.worker, err)
