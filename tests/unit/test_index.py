@@ -57,7 +57,7 @@ class Model:
         return counts
 
 
-key_ids = st.lists(st.integers(0, len(KEYS) - 1), max_size=40)  # > FEW: the vectorised rounds too
+key_ids = st.lists(st.integers(0, len(KEYS) - 1), max_size=100)  # > FEW: the vectorised rounds too
 ops = st.lists(st.tuples(st.sampled_from(["add", "remove", "remove_node"]), st.sampled_from(NODES), key_ids,
                          st.sampled_from(TIERS)), max_size=30)
 queries = st.lists(st.tuples(st.integers(0, len(KEYS) - 1), st.integers(0, 60)), min_size=1, max_size=4)
