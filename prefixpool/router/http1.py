@@ -47,6 +47,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
+        self.received = 0  # bytes, ever
         self.closed = False
         self.idle_since = 0.0
         self._waiter: asyncio.Future | None = None
@@ -59,6 +60,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
+        self.received += len(data)
         self._wake()
 
     def eof_received(self) -> bool:
@@ -238,12 +240,13 @@ class Http1Client:
                 conn, reused = await self._connect(address), False
             assert conn.transport is not None
             conn.transport.write(request)
+            received = conn.received
             try:
                 status, headers, keep_alive = await _head(conn, self.read_timeout_s)
                 return Response(self, address, conn, status, headers, keep_alive)
             except ConnectionResetError:
                 self._drop(conn)
-                if not reused or attempt:
+                if not reused or attempt or conn.received != received:
                     raise
                 # closed by the server as the request left (its keep-alive ran out): once more, on a new one
             except BaseException:

@@ -293,3 +293,25 @@ def test_the_vllm_client_calls_a_server_that_drops_the_request_unreachable():
             assert await client.prefill(server.url, request) is None  # a failed prefill: the decode side computes
             await client.close()
     run(case)
+
+
+def test_a_kept_connection_closed_after_part_of_an_answer_is_not_sent_again():
+    async def handler(reader, writer, server) -> None:
+        await server.request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await server.request(reader)
+        writer.write(b"HTTP/1.1 200 O")  # the server had the request: sending it again would run it twice
+        await writer.drain()
+
+    async def case() -> None:
+        async with Server(handler) as server:
+            client = Http1Client()
+            async with client.post(server.url, b"/p", b"") as response:
+                assert await response.read() == b"ok"
+            with pytest.raises(ConnectionResetError):
+                async with client.post(server.url, b"/p", b""):
+                    pass
+            await client.close()
+            assert server.connections == 1 and len(server.requests) == 2
+    run(case)
