@@ -187,12 +187,6 @@ class Response:
         else:
             self._client._drop(conn)
 
-    async def __aenter__(self) -> "Response":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
-
 
 class _Post:
     """client.post(...): `async with` it for the Response."""
@@ -293,15 +287,20 @@ def _address(url: str) -> tuple[tuple[str, int], bytes]:
     return (parts.hostname, port), parts.netloc.encode()
 
 
+async def _until(conn: _Connection, end_mark: bytes, timeout_s: float) -> bytes:
+    """The buffer up to `end_mark` (waiting for it), taken out with the mark; at most MAX_HEAD_BYTES before it."""
+    while (end := conn.buffer.find(end_mark)) < 0:
+        if len(conn.buffer) > MAX_HEAD_BYTES:
+            raise HttpProtocolError(f"no {end_mark!r} in 64 KiB of the answer")
+        await conn.more(timeout_s)
+    taken = bytes(conn.buffer[:end])
+    del conn.buffer[: end + len(end_mark)]
+    return taken
+
+
 async def _line(conn: _Connection, timeout_s: float) -> bytes:
     """One CRLF-ended line of the buffer, without its CRLF."""
-    while (end := conn.buffer.find(b"\r\n")) < 0:
-        if len(conn.buffer) > MAX_HEAD_BYTES:
-            raise HttpProtocolError("a line longer than 64 KiB")
-        await conn.more(timeout_s)
-    line = bytes(conn.buffer[:end])
-    del conn.buffer[: end + 2]
-    return line
+    return await _until(conn, b"\r\n", timeout_s)
 
 
 def _chunk_size(line: bytes) -> int:
@@ -315,12 +314,7 @@ async def _head(conn: _Connection, timeout_s: float) -> tuple[int, dict[bytes, b
     """The status, headers (names lowercased) and whether the connection stays open, of the next final answer
     (1xx answers are skipped). HTTP/1.1 keeps it unless `Connection: close`; HTTP/1.0 only with keep-alive."""
     while True:
-        while (end := conn.buffer.find(b"\r\n\r\n")) < 0:
-            if len(conn.buffer) > MAX_HEAD_BYTES:
-                raise HttpProtocolError("response headers longer than 64 KiB")
-            await conn.more(timeout_s)
-        lines = bytes(conn.buffer[:end]).split(b"\r\n")
-        del conn.buffer[: end + 4]
+        lines = (await _until(conn, b"\r\n\r\n", timeout_s)).split(b"\r\n")
         version, _, rest = lines[0].partition(b" ")
         if not version.startswith(b"HTTP/1.") or not rest[:3].isdigit():
             raise HttpProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
