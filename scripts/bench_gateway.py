@@ -4,6 +4,7 @@
                                     [--fronts pressure,cost,round_robin,sglang[,sglang-nodelay]]
                                     [--repeat 1] [--out benchmarks/gateway.md] [--hidden-size 128 --layers 2]
     python scripts/bench_gateway.py --added 150     # what each front adds to one server's TTFT, requests in turn
+    python scripts/bench_gateway.py --added 400 --against REV   # and our router as of a git revision, beside
 
 Per workload shape, one fleet (`prefixpool up --vllm 2` as a LocalCluster: etcd, 2 vLLM servers of a
 tiny random Llama with KV events, their sidecars) whose KV caches are capped (--num-gpu-blocks-override)
@@ -176,6 +177,10 @@ class SglangRouter:
                 time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"sglang-router did not answer at {self.url}; see {log.name}")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     def stop(self) -> None:
         self.process.terminate()
@@ -371,34 +376,70 @@ def difference_table(shapes: list[tuple[str, dict[str, list[dict]]]], out: Path 
         emit(line, out)
 
 
-def added_latency(requests: int, model_dir: Path, tmp: Path, out: Path | None, server: dict) -> None:
+def added_latency(requests: int, model_dir: Path, tmp: Path, out: Path | None, server: dict,
+                  against: str = "") -> None:
     """What each front adds to one vLLM server's TTFT, without queueing: `requests` streamed completions in
     turn (the random shape's prompt: its 512-token prefix, 32 random tokens, 4 out), each sent directly, through
-    our router (pressure) and through sglang-router (as shipped, and with TCP_NODELAY added), in a shuffled order;
-    the first 5 rounds are not counted."""
+    our router (pressure; with `against`, also our router as of that git revision) and through sglang-router (as
+    shipped, and with TCP_NODELAY added), in a shuffled order; the first 5 rounds are not counted. Each router's
+    CPU (its process's user + system time over the run, over the requests it answered) is shown beside."""
     shape = SHAPES["random"]
     config = VllmConfig(str(model_dir), MODEL, BLOCK, max_model_len=2048, num_blocks=shape.kv_blocks, **server)
     tokenizer = load_tokenizer(model_dir)
     with LocalCluster(num_workers=0, vllm=config, num_vllm=1, log_dir=tmp / "logs-added") as cluster:
         direct = next(iter(cluster.vllm_servers.values())).url
-        ours_url, ours = start_front("pressure", cluster, tmp)
-        peers: dict[str, SglangRouter] = {}
+        fronts: dict[str, object] = {}
         try:
+            url, fronts["prefixpool pressure"] = start_front("pressure", cluster, tmp)
+            paths = {"vLLM directly": direct, "prefixpool pressure": url}
+            if against:
+                name = f"prefixpool pressure @ {against}"
+                paths[name], fronts[name] = start_router_at(against, cluster, tmp)
             for front, name in PEERS.items():  # one at a time: those started are stopped if a later one fails
-                peers[name] = start_peer(front, [direct], tmp)
-            paths = {"vLLM directly": direct, "prefixpool pressure": ours_url,
-                     **{name: peer.url for name, peer in peers.items()}}
+                fronts[name] = start_peer(front, [direct], tmp)
+                paths[name] = fronts[name].url
+            pids = {name: front.pid for name, front in fronts.items()}
+            before = {name: cpu_s(pid) for name, pid in pids.items()}
             ttfts = asyncio.run(_in_turn(paths, tokenizer, shape, requests))
+            cpu = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
         finally:
-            ours.stop()
-            for peer in peers.values():
-                peer.stop()
+            for front in fronts.values():
+                front.stop()
     base = {p: float(np.percentile(ttfts["vLLM directly"], p)) for p in (50, 90)}
-    emit("| path | requests | TTFT p50 ms | p90 | added p50 ms | added p90 |", out)
-    emit("|---|---:|---:|---:|---:|---:|", out)
+    emit("| path | requests | TTFT p50 ms | p90 | added p50 ms | added p90 | front CPU ms a request |", out)
+    emit("|---|---:|---:|---:|---:|---:|---:|", out)
     for name, values in ttfts.items():
         p50, p90 = (float(np.percentile(values, p)) for p in (50, 90))
-        emit(f"| {name} | {len(values)} | {p50:.2f} | {p90:.2f} | {p50 - base[50]:+.2f} | {p90 - base[90]:+.2f} |", out)
+        per = f"{1000 * cpu[name] / (requests + 5):.2f}" if name in cpu else ""
+        emit(f"| {name} | {len(values)} | {p50:.2f} | {p90:.2f} | {p50 - base[50]:+.2f} | {p90 - base[90]:+.2f} "
+             f"| {per} |", out)
+    if against:
+        new, old = np.array(ttfts["prefixpool pressure"]), np.array(ttfts[f"prefixpool pressure @ {against}"])
+        emit(f"\nThis tree against {against}, request by request (each pair sent back to back, in a shuffled order): "
+             f"lower in {np.mean(new < old):.0%} of {len(new)}, median difference {np.median(new - old):+.2f} ms.", out)
+
+
+def start_router_at(revision: str, cluster: LocalCluster, work: Path):
+    """Our router (pressure) as of a git revision: its prefixpool/ unpacked beside, the compiled extensions
+    (not in git) copied from this tree; (its URL, its process)."""
+    tree = work / f"tree-{revision.replace('/', '_')}"
+    if not tree.exists():
+        tree.mkdir()
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", revision, "prefixpool"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        for built in (REPO / "prefixpool").rglob("*.so"):
+            shutil.copy(built, tree / built.relative_to(REPO))
+    argv = [sys.executable, "-P", *python_argv("router", "--port", "0", *cluster._common(), *cluster._model(),
+                                               "--policy", "pressure")[1:]]  # -P: not this tree from the cwd
+    child = spawn(f"router-at-{time.monotonic_ns()}", argv, work, env={"PYTHONPATH": str(tree)})
+    return child.url, child
+
+
+def cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _in_turn(paths: dict[str, str], tokenizer, shape: Shape, requests: int) -> dict[str, list[float]]:
@@ -461,6 +502,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--added", type=int, default=0, help="instead of the shapes: N requests in turn to one vLLM "
                         "server directly, through our router and through sglang-router, as shipped and with "
                         "TCP_NODELAY added (what each front adds)")
+    parser.add_argument("--against", default="", help="with --added: also our router as of this git revision "
+                        "(e.g. HEAD~1), its requests interleaved with this tree's: an A/B of two builds")
     parser.add_argument("--pin-servers", action="store_true", help="each vLLM server's processes on a CPU of "
                         "their own, as one accelerator per server (unpinned, a busy server borrows an idle one's core)")
     parser.add_argument("--limit", type=int, default=0, help="at most this many prompts per run (0: the shape's)")
@@ -501,7 +544,7 @@ def main() -> None:
                         "--max-position", "2048", "--hidden-size", str(args.hidden_size), "--layers", str(args.layers),
                         "--intermediate-size", str(2 * args.hidden_size)], check=True, capture_output=True)
         if args.added:
-            added_latency(args.added, model_dir, Path(tmp), out, server)
+            added_latency(args.added, model_dir, Path(tmp), out, server, args.against)
             return
         ran = [(shape.name, run_shape(shape, args.fronts, args.repeat, model_dir, Path(tmp), out, args.warm_up,
                                       server, args.warm_up_arm, args.pin_servers)) for shape in args.shapes]

@@ -33,8 +33,6 @@ import socket
 import sys
 from collections.abc import Awaitable
 
-from aiohttp import web
-
 from prefixpool.deploy.addresses import AddressError, advertise_host, bind_host
 from prefixpool.deploy.heap import freeze_startup_heap
 from prefixpool.meta.etcd_client import EtcdClient
@@ -50,7 +48,7 @@ from prefixpool.deploy.settings import add_flags, from_args
 from prefixpool.router.cost_model import CostModel
 from prefixpool.router.conductor import ConductorConfig
 from prefixpool.contract.drain import Drain
-from prefixpool.router.http import build_app
+from prefixpool.router.http import serve_router
 from prefixpool.router.service import Router, RouterConfig
 from prefixpool.router.vllm_client import VllmClient
 from prefixpool.router.worker_client import WorkerClient
@@ -145,10 +143,8 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
     except TimeoutError:
         log.warning("no etcd snapshot yet; serving, /readyz stays 503 until workers appear")
     gate = Drain()
-    runner = web.AppRunner(build_app(router, gate), access_log=None,
-                           shutdown_timeout=SHUTDOWN_STEP_S / 2)  # our gate drained the requests already
-    await runner.setup()
-    await web.SockSite(runner, sock).start()
+    server = serve_router(router, gate)
+    await server.start(sock)
     tasks = [asyncio.create_task(_follow_prefill_speed(router, mirror))]
     if settings.processes > 1:  # a scrape reaches one process: every process keeps its gauges current
         tasks.append(asyncio.create_task(_refresh_gauges(router)))
@@ -167,8 +163,8 @@ async def serve(settings: RouterSettings, on_ready=announce_ready) -> None:
         task.cancel()
     # Nothing is in flight now: each step of the teardown is bounded, so a stuck one (a connection, etcd) is
     # named in the log and the process still exits (CI once saw a drained router not exit in 30 s).
-    steps = [("HTTP server", runner.cleanup()), ("worker client", client.close()), ("publisher", publisher.stop()),
-             ("vLLM client", vllm.close()), ("mirror", mirror.stop())]
+    steps = [("HTTP server", server.close(SHUTDOWN_STEP_S / 2)), ("worker client", client.close()),
+             ("publisher", publisher.stop()), ("vLLM client", vllm.close()), ("mirror", mirror.stop())]
     steps += [(f"etcd client {i}", etcd.close()) for i, etcd in enumerate(clients)]
     for name, step in steps:
         await _bounded(name, step)

@@ -1,25 +1,27 @@
-"""The router's HTTP surface (aiohttp): OpenAI endpoints, /v1/route, /v1/admin/pin, health and metrics.
+"""The router's HTTP surface (prefixpool/router/http1_server.py): OpenAI endpoints, /v1/route, /v1/admin/pin,
+health and metrics.
 
-Handlers translate between HTTP and the Router service; every APIError (and
-aiohttp's own 4xx) leaves as OpenAI-style error JSON. Draining
-(prefixpool/contract/drain.py): /readyz answers 503 and a new completion a 503
-`router_draining`; admitted requests finish, and a stream still running at the
-drain deadline ends with an error event. Knows nothing of etcd, policies or how
-workers are reached.
+    app = RouterApp(router, drain)    the server's handler: routes by path and method, counts each answer
+    Http1Server(app, MAX_BODY_BYTES, errors=app_errors, ...)  (`serve_router` below makes both)
+
+Handlers translate between HTTP and the Router service; every APIError (and the server's own 4xx)
+leaves as OpenAI-style error JSON. Draining (prefixpool/contract/drain.py): /readyz answers 503 and a
+new completion a 503 `router_draining`; admitted requests finish, and a stream still running at the
+drain deadline ends with an error event. Knows nothing of etcd, policies or how workers are reached.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 import msgspec
-from aiohttp import web
 
 from prefixpool.router import openai_format as fmt
 from prefixpool.router.admin_pin import decode_pin, forward_pin
 from prefixpool.router.detokenizer import Detokenizer
+from prefixpool.router.http1_server import Answer, Http1Server, Request, Stream
 from prefixpool.router.openai_logprobs import LogprobsShape
 from prefixpool.router.errors import APIError, InternalError, InvalidRequest, RouteNotFound, ServiceUnavailable
 from prefixpool.contract.drain import Drain, DrainDeadline, Draining
@@ -29,148 +31,98 @@ from prefixpool.router.service import Prepared, Router
 from prefixpool.contract.worker_api import Done, Event, Failed, Token
 
 log = logging.getLogger(__name__)
-ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router", Router)
-DRAIN_KEY: web.AppKey[Drain] = web.AppKey("drain", Drain)
-ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 MAX_BODY_BYTES = 32 * 1024 * 1024
+JSON = b"application/json"
+EVENT_STREAM = b"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
 
 
-def json_response(payload: object, status: int = 200) -> web.Response:
+def json_answer(payload: object, status: int = 200) -> Answer:
     """JSON encoded by msgspec (C), not the json module."""
-    return web.Response(body=msgspec.json.encode(payload), status=status, content_type="application/json")
+    return Answer(status, msgspec.json.encode(payload))
 
 
-def error_response(err: APIError) -> web.Response:
-    return json_response(err.body(), status=err.status)
+def error_answer(err: APIError) -> Answer:
+    return json_answer(err.body(), status=err.status)
 
 
-@web.middleware
-async def count_requests(request: web.Request, handler) -> web.StreamResponse:
-    response = await handler(request)
-    request.app[ROUTER_KEY].metrics.requests.labels(request.path, str(response.status)).inc()
-    return response
+def app_errors(status: int, message: str) -> bytes:
+    """The server's own 4xx (a malformed request, a head or body too large) in the API's error shape."""
+    return msgspec.json.encode((InternalError if status >= 500 else InvalidRequest)(message).body())
 
 
-@web.middleware
-async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except APIError as err:
-        return error_response(err)
-    except web.HTTPException as err:
-        if err.status < 400:
-            raise
-        api = (RouteNotFound(f"{request.method} {request.path}: {err.reason}") if err.status == 404
-               else InvalidRequest(err.reason))
-        api.status = err.status
-        return error_response(api)
-    except Exception:  # a bug: still answer in the API's error shape, and log it
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return json_response(InternalError("internal error; see the router log").body(), status=500)
+Handler = Callable[["RouterApp", Request], Awaitable["Answer | Stream"]]
 
 
-@web.middleware
-async def drain_gate(request: web.Request, handler) -> web.StreamResponse:
-    """Completions are admitted while serving; once draining they get a 503 a balancer retries elsewhere."""
-    if request.path not in ADMITTED_PATHS:
-        return await handler(request)
-    drain = request.app[DRAIN_KEY]
-    try:
-        async with drain.admitted():
-            response = await handler(request)
-    except (Draining, DrainDeadline) as err:
-        response = error_response(ServiceUnavailable(f"router shutting down: {err}", code="router_draining"))
-    if not drain.serving:
-        response.force_close()  # the client's next request opens a connection to a router that serves
-    return response
+async def completions(app: RouterApp, request: Request) -> Answer | Stream:
+    router = app.authorized(request)
+    return await _serve(app, request, router.prepare(decode(request.body, CompletionBody)))
 
 
-def _router(request: web.Request) -> Router:
-    router = request.app[ROUTER_KEY]
-    router.check_api_key(request.headers.get("Authorization", ""))
-    return router
+async def chat_completions(app: RouterApp, request: Request) -> Answer | Stream:
+    router = app.authorized(request)
+    return await _serve(app, request, router.prepare(decode(request.body, ChatBody)))
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    router = _router(request)
-    prepared = router.prepare(decode(await request.read(), CompletionBody))
-    return await _serve(request, router, prepared)
+async def route(app: RouterApp, request: Request) -> Answer:
+    router = app.authorized(request)
+    return json_answer(router.explain(router.prepare(decode(request.body, RouteBody))))
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    router = _router(request)
-    prepared = router.prepare(decode(await request.read(), ChatBody))
-    return await _serve(request, router, prepared)
+async def pin(app: RouterApp, request: Request) -> Answer:
+    router = app.authorized(request)
+    return json_answer(await forward_pin(router, decode_pin(request.body), unpin=False))
 
 
-async def route(request: web.Request) -> web.Response:
-    router = _router(request)
-    prepared = router.prepare(decode(await request.read(), RouteBody))
-    return json_response(router.explain(prepared))
+async def unpin(app: RouterApp, request: Request) -> Answer:
+    router = app.authorized(request)
+    return json_answer(await forward_pin(router, decode_pin(request.body), unpin=True))
 
 
-async def pin(request: web.Request) -> web.Response:
-    router = _router(request)
-    return json_response(await forward_pin(router, decode_pin(await request.read()), unpin=False))
-
-
-async def unpin(request: web.Request) -> web.Response:
-    router = _router(request)
-    return json_response(await forward_pin(router, decode_pin(await request.read()), unpin=True))
-
-
-async def _serve(request: web.Request, router: Router, prepared: Prepared) -> web.StreamResponse:
+async def _serve(app: RouterApp, request: Request, prepared: Prepared) -> Answer | Stream:
+    router = app.router
     if prepared.stream:
-        return await _serve_stream(request, router, prepared)
+        return await _serve_stream(app, request, prepared)
     detok = Detokenizer(router.tokenizer.decode)
     logprobs = _logprobs_shape(router, prepared)
     tokens: list[Token] = []  # kept for their logprobs
-    drain = request.app[DRAIN_KEY]
-    # aclosing: a client gone frees its worker slot now; past the drain deadline drain_gate answers 503
-    async with contextlib.aclosing(router.generate(prepared)) as events, drain.until_deadline():
+    # aclosing: a client gone frees its worker slot now; past the drain deadline the app answers 503
+    async with contextlib.aclosing(router.generate(prepared)) as events, app.drain.until_deadline():
         async for event in events:
             if isinstance(event, Token):
                 detok.tokens.append(event.token)
                 tokens.append(event)
             elif isinstance(event, Done):
                 shape = fmt.chat if prepared.chat else fmt.completion
-                return json_response(shape(prepared.request_id, prepared.model, detok.text, event.finish_reason,
-                                           event.usage, None if logprobs is None else logprobs.of(tokens)))
+                return json_answer(shape(prepared.request_id, prepared.model, detok.text, event.finish_reason,
+                                         event.usage, None if logprobs is None else logprobs.of(tokens)))
             elif isinstance(event, Failed):
                 raise router.failure(event)
     raise router.failure(Failed("the worker ended the stream without finishing", 502))
 
 
-class _EventStream(web.StreamResponse):
-    """An SSE answer whose headers leave with its first frame, in one write (aiohttp sends a StreamResponse's
-    headers at prepare() unless told otherwise: a packet, and a client wake-up, more before the first token)."""
-
-    _send_headers_immediately = False
-
-
-async def _serve_stream(request: web.Request, router: Router, prepared: Prepared) -> web.StreamResponse:
-    drain = request.app[DRAIN_KEY]
-    # made while the worker computes, not between its first token and the client
-    response = _EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+async def _serve_stream(app: RouterApp, request: Request, prepared: Prepared) -> Stream:
+    router, drain = app.router, app.drain
+    # made while the worker computes, not between its first token and the client; its head leaves with the
+    # first frame, in one write
+    response = request.stream(EVENT_STREAM)
     detok = Detokenizer(router.tokenizer.decode)
     frames = fmt.StreamFrames(prepared.request_id, prepared.model, prepared.chat)
     opening = frames.first() if prepared.chat else b""  # a chat stream's role frame goes with its first token
     logprobs = _logprobs_shape(router, prepared)
     async with contextlib.aclosing(router.generate(prepared)) as events:
         async with drain.until_deadline():
-            first = await anext(events)  # routing errors (and the drain deadline) still become an error response here
-        await response.prepare(request)
+            first = await anext(events)  # routing errors (and the drain deadline) still become an error answer here
         try:
             async with drain.until_deadline():
                 end = await _relay(prepared, first, events, detok, frames, response, logprobs, opening)
         except DrainDeadline as err:
             end = frames.frame(fmt.error_chunk(f"router shutting down: {err}", 503))
-        await response.write_eof(end + b"data: [DONE]\n\n")  # the last frames and the stream's end: one write
+        await response.end(end + b"data: [DONE]\n\n")  # the last frames and the stream's end: one write
         return response
 
 
 async def _relay(prepared: Prepared, event: Event, events: AsyncIterator[Event], detok: Detokenizer,
-                 frames: fmt.StreamFrames, response: web.StreamResponse, logprobs: LogprobsShape | None,
+                 frames: fmt.StreamFrames, response: Stream, logprobs: LogprobsShape | None,
                  opening: bytes) -> bytes:
     """Stream events as SSE frames from `event` on, `opening` before the first, until Done or Failed: a frame
     per token, its text empty while the detokenizer holds back part of a character (vLLM streams one per token
@@ -198,43 +150,94 @@ def _logprobs_shape(router: Router, prepared: Prepared) -> LogprobsShape | None:
     return LogprobsShape(router.token_text, prepared.chat)
 
 
-async def models(request: web.Request) -> web.Response:
-    router = _router(request)
-    return json_response({"object": "list", "data": listing(router.model, router.live_workers())})
+async def models(app: RouterApp, request: Request) -> Answer:
+    router = app.authorized(request)
+    return json_answer({"object": "list", "data": listing(router.model, router.live_workers())})
 
 
-async def healthz(request: web.Request) -> web.Response:
-    router = request.app[ROUTER_KEY]
-    return json_response({"status": "ok", "workers": len(router.live_workers())})
+async def healthz(app: RouterApp, request: Request) -> Answer:
+    return json_answer({"status": "ok", "workers": len(app.router.live_workers())})
 
 
-async def readyz(request: web.Request) -> web.Response:
-    router = request.app[ROUTER_KEY]
-    workers = len(router.live_workers())
-    if not request.app[DRAIN_KEY].serving:  # first thing a drain changes: a Service stops sending here
-        return json_response({"ready": False, "draining": True, "workers": workers}, status=503)
-    return json_response({"ready": workers > 0, "workers": workers}, status=200 if workers else 503)
+async def readyz(app: RouterApp, request: Request) -> Answer:
+    workers = len(app.router.live_workers())
+    if not app.drain.serving:  # first thing a drain changes: a Service stops sending here
+        return json_answer({"ready": False, "draining": True, "workers": workers}, status=503)
+    return json_answer({"ready": workers > 0, "workers": workers}, status=200 if workers else 503)
 
 
-async def metrics(request: web.Request) -> web.Response:
-    router = request.app[ROUTER_KEY]
-    router.refresh_gauges()
-    return web.Response(body=router.metrics.render(), content_type="text/plain", charset="utf-8")
+async def metrics(app: RouterApp, request: Request) -> Answer:
+    app.router.refresh_gauges()
+    return Answer(200, app.router.metrics.render(), b"text/plain; charset=utf-8")
 
 
-def build_app(router: Router, drain: Drain | None = None) -> web.Application:
-    app = web.Application(middlewares=[count_requests, errors_as_json, drain_gate], client_max_size=MAX_BODY_BYTES)
-    app[ROUTER_KEY] = router
-    app[DRAIN_KEY] = drain or Drain()
-    app.add_routes([
-        web.post("/v1/completions", completions),
-        web.post("/v1/chat/completions", chat_completions),
-        web.post("/v1/route", route),
-        web.post("/v1/admin/pin", pin),
-        web.delete("/v1/admin/pin", unpin),
-        web.get("/v1/models", models),
-        web.get("/healthz", healthz),
-        web.get("/readyz", readyz),
-        web.get("/metrics", metrics),
-    ])
-    return app
+ROUTES: dict[str, dict[str, Handler]] = {
+    "/v1/completions": {"POST": completions},
+    "/v1/chat/completions": {"POST": chat_completions},
+    "/v1/route": {"POST": route},
+    "/v1/admin/pin": {"POST": pin, "DELETE": unpin},
+    "/v1/models": {"GET": models},
+    "/healthz": {"GET": healthz},
+    "/readyz": {"GET": readyz},
+    "/metrics": {"GET": metrics},
+}
+ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class RouterApp:
+    """The server's handler: a request's route, its answer, errors as OpenAI JSON, the drain gate, the count."""
+
+    def __init__(self, router: Router, drain: Drain | None = None) -> None:
+        self.router = router
+        self.drain = drain or Drain()
+
+    def authorized(self, request: Request) -> Router:
+        self.router.check_api_key(request.headers.get(b"authorization", b"").decode("latin-1"))
+        return self.router
+
+    async def __call__(self, request: Request) -> Answer | Stream:
+        methods = ROUTES.get(request.path)
+        if methods is None:
+            answer: Answer | Stream = error_answer(RouteNotFound(f"{request.method} {request.path}: Not Found"))
+        elif (handler := methods.get(request.method)) is None:
+            err = InvalidRequest(f"{request.method} {request.path}: Method Not Allowed (allowed: "
+                                 f"{', '.join(methods)})")
+            err.status = 405
+            answer = error_answer(err)
+        elif request.path in ADMITTED_PATHS:
+            answer = await self._admitted(handler, request)
+        else:
+            answer = await self._answer(handler, request)
+        endpoint = request.path if methods is not None else "unmatched"  # no label per path a client made up
+        self.router.metrics.requests.labels(endpoint, str(answer.status)).inc()
+        return answer
+
+    async def _admitted(self, handler: Handler, request: Request) -> Answer | Stream:
+        """Completions are admitted while serving; once draining they get a 503 a balancer retries elsewhere."""
+        try:
+            async with self.drain.admitted():
+                answer = await self._answer(handler, request)
+        except (Draining, DrainDeadline) as err:
+            answer = error_answer(ServiceUnavailable(f"router shutting down: {err}", code="router_draining"))
+        if not self.drain.serving:  # the client's next request opens a connection to a router that serves
+            if isinstance(answer, Stream):
+                answer.close_after()
+            else:
+                answer.close = True
+        return answer
+
+    async def _answer(self, handler: Handler, request: Request) -> Answer | Stream:
+        try:
+            return await handler(self, request)
+        except APIError as err:
+            return error_answer(err)
+        except ConnectionError:
+            raise  # the client left mid-stream: the server closes the connection
+        except Exception:  # a bug: still answer in the API's error shape, and log it
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return error_answer(InternalError("internal error; see the router log"))
+
+
+def serve_router(router: Router, drain: Drain | None = None) -> Http1Server:
+    """The router's HTTP server, not yet listening (`await server.start(sock)`)."""
+    return Http1Server(RouterApp(router, drain), MAX_BODY_BYTES, errors=app_errors, error_type=JSON)

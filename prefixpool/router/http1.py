@@ -27,129 +27,33 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import socket
 import time
 from typing import AsyncIterator
 from urllib.parse import urlsplit
 
+from prefixpool.router.http1_wire import Body, Connection, HttpProtocolError, content_length, fields, read_until
+
 IDLE_S = 2.0  # an idle connection older than this is closed, not reused (uvicorn's keep-alive: 5 s)
 MAX_IDLE = 64  # idle connections kept per server
-MAX_HEAD_BYTES = 64 * 1024
-
-
-class HttpProtocolError(ConnectionError):
-    """The server's answer is not the HTTP/1.x this client reads."""
-
-
-class _Connection(asyncio.Protocol):
-    """One TCP connection: what arrived and not yet read, and whether the server closed it."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
-        self.received = 0  # bytes, ever
-        self.closed = False
-        self.idle_since = 0.0
-        self._waiter: asyncio.Future | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        self.received += len(data)
-        self._wake()
-
-    def eof_received(self) -> bool:
-        self.closed = True
-        self._wake()
-        return False  # the transport closes itself
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def more(self, timeout_s: float) -> None:
-        """Until more bytes arrive; ConnectionError if the server closed the connection, TimeoutError."""
-        if self.closed:
-            raise ConnectionResetError("the server closed the connection before its answer ended")
-        size = len(self.buffer)
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._waiter
-        finally:
-            self._waiter = None
-        if len(self.buffer) == size:
-            raise ConnectionResetError("the server closed the connection before its answer ended")
-
-    def usable(self) -> bool:
-        return not self.closed and self.transport is not None and not self.transport.is_closing()
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
 
 
 class Response:
     """An answer whose status and headers are read; its body is read from the connection on demand."""
 
-    def __init__(self, client: "Http1Client", address: tuple[str, int], conn: _Connection, status: int,
+    def __init__(self, client: "Http1Client", address: tuple[str, int], conn: Connection, status: int,
                  headers: dict[bytes, bytes], keep_alive: bool) -> None:
         self.status, self.headers = status, headers
         self._client, self._address, self._conn = client, address, conn
-        self._chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
-        length = headers.get(b"content-length")
-        try:
-            self._left = None if self._chunked or length is None else int(length)  # None: chunked or until close
-        except ValueError:
-            raise HttpProtocolError(f"Content-Length {length!r} is not a number") from None
-        self._keep_alive = keep_alive and (self._chunked or self._left is not None)
-        self._done = self._left == 0 or status in (204, 304)
+        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        length = None if chunked else content_length(headers.get(b"content-length"))
+        self._body = Body(conn, chunked, 0 if status in (204, 304) else length)
+        self._keep_alive = keep_alive and (chunked or length is not None)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body, in the pieces it arrives in (chunked framing removed)."""
-        conn, timeout_s = self._conn, self._client.read_timeout_s
-        assert conn is not None, "the response was released"
-        while not self._done:
-            if self._chunked:
-                size = _chunk_size(await _line(conn, timeout_s))
-                if size == 0:
-                    while await _line(conn, timeout_s):  # trailer fields, then the empty line
-                        pass
-                    self._done = True
-                    return
-                while len(conn.buffer) < size + 2:
-                    await conn.more(timeout_s)
-                if conn.buffer[size : size + 2] != b"\r\n":
-                    raise HttpProtocolError("a chunk does not end with CRLF")
-                piece = bytes(conn.buffer[:size])
-                del conn.buffer[: size + 2]
-                yield piece
-            else:
-                if not conn.buffer:
-                    try:
-                        await conn.more(timeout_s)
-                    except ConnectionResetError:
-                        if self._left is not None:  # Content-Length promised more
-                            raise
-                        self._done = True  # the body was "until close": it ended
-                        return
-                take = len(conn.buffer) if self._left is None else min(self._left, len(conn.buffer))
-                piece = bytes(conn.buffer[:take])
-                del conn.buffer[:take]
-                if self._left is not None:
-                    self._left -= take
-                    self._done = self._left == 0
-                yield piece
+        assert self._conn is not None, "the response was released"
+        async for piece in self._body.chunks(self._client.read_timeout_s):
+            yield piece
 
     async def lines(self) -> AsyncIterator[bytes]:
         pending = b""
@@ -182,7 +86,7 @@ class Response:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self._done and self._keep_alive and not conn.buffer and conn.usable():
+        if self._body.done and self._keep_alive and not conn.buffer and conn.usable():
             self._client._keep(self._address, conn)
         else:
             self._client._drop(conn)
@@ -210,8 +114,8 @@ class Http1Client:
                  max_idle: int = MAX_IDLE) -> None:
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
         self.idle_s, self.max_idle = idle_s, max_idle
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self._open: set[_Connection] = set()
+        self._idle: dict[tuple[str, int], list[Connection]] = {}
+        self._open: set[Connection] = set()
         self.num_connects = 0
 
     def post(self, url: str, path: bytes, body: bytes, content_type: bytes = b"application/json") -> _Post:
@@ -248,7 +152,7 @@ class Http1Client:
                 raise
         raise AssertionError("unreachable: the second attempt returns or raises")
 
-    def _reuse(self, address: tuple[str, int]) -> _Connection | None:
+    def _reuse(self, address: tuple[str, int]) -> Connection | None:
         idle, now = self._idle.get(address), time.monotonic()
         while idle:
             conn = idle.pop()
@@ -257,22 +161,22 @@ class Http1Client:
             self._drop(conn)
         return None
 
-    async def _connect(self, address: tuple[str, int]) -> _Connection:
+    async def _connect(self, address: tuple[str, int]) -> Connection:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.connect_timeout_s):
-            _, conn = await loop.create_connection(_Connection, *address)
+            _, conn = await loop.create_connection(Connection, *address)
         self._open.add(conn)
         self.num_connects += 1
         return conn
 
-    def _keep(self, address: tuple[str, int], conn: _Connection) -> None:
+    def _keep(self, address: tuple[str, int], conn: Connection) -> None:
         conn.idle_since = time.monotonic()
         idle = self._idle.setdefault(address, [])
         idle.append(conn)
         if len(idle) > self.max_idle:
             self._drop(idle.pop(0))
 
-    def _drop(self, conn: _Connection) -> None:
+    def _drop(self, conn: Connection) -> None:
         conn.close()
         self._open.discard(conn)
 
@@ -287,44 +191,16 @@ def _address(url: str) -> tuple[tuple[str, int], bytes]:
     return (parts.hostname, port), parts.netloc.encode()
 
 
-async def _until(conn: _Connection, end_mark: bytes, timeout_s: float) -> bytes:
-    """The buffer up to `end_mark` (waiting for it), taken out with the mark; at most MAX_HEAD_BYTES before it."""
-    while (end := conn.buffer.find(end_mark)) < 0:
-        if len(conn.buffer) > MAX_HEAD_BYTES:
-            raise HttpProtocolError(f"no {end_mark!r} in 64 KiB of the answer")
-        await conn.more(timeout_s)
-    taken = bytes(conn.buffer[:end])
-    del conn.buffer[: end + len(end_mark)]
-    return taken
-
-
-async def _line(conn: _Connection, timeout_s: float) -> bytes:
-    """One CRLF-ended line of the buffer, without its CRLF."""
-    return await _until(conn, b"\r\n", timeout_s)
-
-
-def _chunk_size(line: bytes) -> int:
-    try:
-        return int(line.split(b";", 1)[0], 16)
-    except ValueError:
-        raise HttpProtocolError(f"chunk size {line[:40]!r} is not hexadecimal") from None
-
-
-async def _head(conn: _Connection, timeout_s: float) -> tuple[int, dict[bytes, bytes], bool]:
+async def _head(conn: Connection, timeout_s: float) -> tuple[int, dict[bytes, bytes], bool]:
     """The status, headers (names lowercased) and whether the connection stays open, of the next final answer
     (1xx answers are skipped). HTTP/1.1 keeps it unless `Connection: close`; HTTP/1.0 only with keep-alive."""
     while True:
-        lines = (await _until(conn, b"\r\n\r\n", timeout_s)).split(b"\r\n")
+        lines = (await read_until(conn, b"\r\n\r\n", timeout_s)).split(b"\r\n")
         version, _, rest = lines[0].partition(b" ")
         if not version.startswith(b"HTTP/1.") or not rest[:3].isdigit():
             raise HttpProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
         status = int(rest[:3])
-        headers: dict[bytes, bytes] = {}
-        for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon:
-                raise HttpProtocolError(f"not a header line: {line[:80]!r}")
-            headers[name.strip().lower()] = value.strip()
+        headers = fields(lines[1:])
         if status >= 200:
             connection = headers.get(b"connection", b"").lower()
             return status, headers, connection == b"keep-alive" or (version != b"HTTP/1.0" and connection != b"close")

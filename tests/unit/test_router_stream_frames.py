@@ -2,7 +2,7 @@
 
 The router detokenizes and holds back text that ends inside a UTF-8 character; vLLM's own server
 still sends a chunk per token (text ""), and clients (vLLM's benchmark among them) time the first
-token by the first chunk. Here a real Router behind the real aiohttp app streams from a worker that
+token by the first chunk. Here a real Router behind its real HTTP server streams from a worker that
 sends the first byte of "é", then waits until the test has read a chunk before sending the second:
 the first chunk must come while the worker waits, and the text put together is still "é".
 """
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 from aiohttp import ClientSession
-from aiohttp.test_utils import TestServer
 
 from prefixpool.contract.worker_api import Done, Token, Usage
 from prefixpool.meta.membership import NodeRecord
 from prefixpool.model.tokenizer import ByteTokenizer
 from prefixpool.router.cost_model import CostModel
-from prefixpool.router.http import build_app
+from prefixpool.router.http import serve_router
 from prefixpool.router.service import Router, RouterConfig
 from prefixpool.store.keys import Namespace
 from tests.support.index_view import IndexView
@@ -50,15 +50,17 @@ async def stream(chat: bool) -> tuple[list[dict], bool]:
     worker = SplitCharacterWorker()
     config = RouterConfig(model="m", namespace=NS, max_context=1000, vocab_size=259)
     view = IndexView({"a": NodeRecord("a", "http://a", "", 4, 0, "m", namespace=NS.root().hex())})
-    server = TestServer(build_app(Router(config, ByteTokenizer(), view, worker, CostModel())))
-    await server.start_server()
+    server = serve_router(Router(config, ByteTokenizer(), view, worker, CostModel()))
+    sock = socket.create_server(("127.0.0.1", 0))
+    await server.start(sock)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}) if chat
                   else ("/v1/completions", {"prompt": "hello"}))
     frames: list[dict] = []
     first_before_release = False
     try:
         async with ClientSession() as session:
-            async with session.post(f"{server.make_url(path)}", json={"model": "m", "max_tokens": 3, "stream": True,
+            async with session.post(url + path, json={"model": "m", "max_tokens": 3, "stream": True,
                                                                      **body}) as response:
                 assert response.status == 200, await response.text()
                 while True:
