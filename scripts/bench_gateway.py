@@ -57,13 +57,14 @@ from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, VllmConfig
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.model.tokenizer import load_tokenizer
-from prefixpool.testing.prometheus import scrape
+from prefixpool.testing.prometheus import buckets, quantile, scrape
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL, BLOCK = "tiny-vllm", 32
 SGLANG_ROUTER = "sglang-router==0.3.2"
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
+OVERHEAD, PHASES = "prefixpool_router_overhead_seconds", ("prepare", "decide", "relay")
 ROUTER_POLICIES = ("pressure", "cost", "round_robin", "cost_local", "least_load")
 PEERS = {"sglang": "sglang-router cache_aware", "sglang-nodelay": "sglang-router cache_aware, TCP_NODELAY added"}
 
@@ -400,8 +401,11 @@ def added_latency(requests: int, model_dir: Path, tmp: Path, out: Path | None, s
                 paths[name] = fronts[name].url
             pids = {name: front.pid for name, front in fronts.items()}
             before = {name: cpu_s(pid) for name, pid in pids.items()}
+            phases_before = {phase: buckets(url, OVERHEAD, f'phase="{phase}"') for phase in PHASES}
             ttfts = asyncio.run(_in_turn(paths, tokenizer, shape, requests))
             cpu = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
+            phases = {phase: {bound: count - phases_before[phase].get(bound, 0.0) for bound, count in
+                              buckets(url, OVERHEAD, f'phase="{phase}"').items()} for phase in PHASES}
         finally:
             for front in fronts.values():
                 front.stop()
@@ -413,6 +417,11 @@ def added_latency(requests: int, model_dir: Path, tmp: Path, out: Path | None, s
         per = f"{1000 * cpu[name] / (requests + 5):.2f}" if name in cpu else ""
         emit(f"| {name} | {len(values)} | {p50:.2f} | {p90:.2f} | {p50 - base[50]:+.2f} | {p90 - base[90]:+.2f} "
              f"| {per} |", out)
+    emit("\nOur router's own time a request (this tree; prefixpool_router_overhead_seconds, interpolated within its "
+         "buckets): " + ", ".join(f"{phase} {1000 * quantile(phases[phase], 0.5):.3f} / "
+                                  f"{1000 * quantile(phases[phase], 0.9):.3f} ms" for phase in PHASES)
+         + " (p50 / p90; prepare: head read to tokenized and hashed, decide: choosing the server, relay: vLLM's "
+         "first token in the router to its frame written).", out)
     if against:
         new, old = np.array(ttfts["prefixpool pressure"]), np.array(ttfts[f"prefixpool pressure @ {against}"])
         emit(f"\nThis tree against {against}, request by request (each pair sent back to back, in a shuffled order): "

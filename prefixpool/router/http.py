@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -55,12 +56,16 @@ Handler = Callable[["RouterApp", Request], Awaitable["Answer | Stream"]]
 
 async def completions(app: RouterApp, request: Request) -> Answer | Stream:
     router = app.authorized(request)
-    return await _serve(app, request, router.prepare(decode(request.body, CompletionBody)))
+    prepared = router.prepare(decode(request.body, CompletionBody))
+    router.metrics.prepare_s.observe(time.perf_counter() - request.arrived)
+    return await _serve(app, request, prepared)
 
 
 async def chat_completions(app: RouterApp, request: Request) -> Answer | Stream:
     router = app.authorized(request)
-    return await _serve(app, request, router.prepare(decode(request.body, ChatBody)))
+    prepared = router.prepare(decode(request.body, ChatBody))
+    router.metrics.prepare_s.observe(time.perf_counter() - request.arrived)
+    return await _serve(app, request, prepared)
 
 
 async def route(app: RouterApp, request: Request) -> Answer:

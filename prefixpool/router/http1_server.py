@@ -8,7 +8,8 @@ buffer (http1_wire.py) and its handler is called (benchmarks/gateway.md has the 
     server = Http1Server(handler, max_body_bytes=...)
     await server.start(sock)             serve a bound socket (SO_REUSEPORT siblings may share the port)
     handler(request) -> Answer           request.method, .path, .query, .headers ({lowercased name: value},
-                                         bytes), .body; an Answer is written whole
+                                         bytes), .body, .arrived (perf_counter when its head was read);
+                                         an Answer is written whole
     stream = request.stream(headers)     or a chunked answer: nothing is sent until its first write, which
     await stream.write(data)             carries the head too; a write to a client that left raises
     await stream.end(data)               ConnectionResetError; the handler returns the ended stream
@@ -53,12 +54,13 @@ class Answer:
 
 
 class Request:
-    __slots__ = ("method", "path", "query", "headers", "body", "_conn", "_http10", "_stream")
+    __slots__ = ("method", "path", "query", "headers", "body", "arrived", "_conn", "_http10", "_stream")
 
     def __init__(self, conn: "_ServerConnection", method: str, path: str, query: str,
                  headers: dict[bytes, bytes], http10: bool) -> None:
         self.method, self.path, self.query, self.headers = method, path, query, headers
         self.body = b""
+        self.arrived = time.perf_counter()  # its head read
         self._conn, self._http10 = conn, http10
         self._stream: Stream | None = None
 

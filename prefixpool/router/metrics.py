@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+OVERHEAD_BUCKETS = (2.5e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2e-4, 3e-4, 4e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3,
+                    5e-3, 0.01, 0.025, 0.1)
 
 
 class RouterMetrics:
@@ -25,6 +27,12 @@ class RouterMetrics:
                                 ["endpoint", "status"], registry=r)
         self.ttft = Histogram("prefixpool_ttft_seconds", "Time to first token seen by the router",
                               buckets=TTFT_BUCKETS, registry=r)
+        self.overhead = Histogram(
+            "prefixpool_router_overhead_seconds", "The router's own time on a request's path, by phase: 'prepare' "
+            "from its head read until tokenized and hashed, 'decide' choosing its worker (the first try), 'relay' "
+            "from the worker's first token reaching the router until its frame is written (streams)", ["phase"],
+            buckets=OVERHEAD_BUCKETS, registry=r)
+        self.prepare_s, self.decide_s, self.relay_s = (self.overhead.labels(p) for p in ("prepare", "decide", "relay"))
         self.prompt_tokens = Counter("prefixpool_prompt_tokens", "Prompt tokens received", registry=r)
         self.cached_tokens = Counter("prefixpool_cached_tokens", "Prompt tokens not recomputed (local hit or fetched)",
                                      registry=r)

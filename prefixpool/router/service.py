@@ -271,9 +271,11 @@ class Router:
         refused: Failed | None = None  # a worker's 5xx before the first token: shown only if no other worker answers
         emitted: list[int] = []  # tokens already sent to the client: a greedy stream cut mid-way resumes after them
         start = time.perf_counter()
-        for _ in range(self.config.max_retries + 1):
+        for attempt in range(self.config.max_retries + 1):
             try:
                 plan, matches = self.decide(prepared, frozenset(excluded))
+                if not attempt:
+                    self.metrics.decide_s.observe(time.perf_counter() - start)
             except ServiceUnavailable:
                 if refused is None:
                     raise
@@ -295,7 +297,8 @@ class Router:
                         ttft_s = None
                         if isinstance(event, Token):
                             if not streamed and not emitted:
-                                ttft_s = time.perf_counter() - start
+                                first_at = time.perf_counter()
+                                ttft_s = first_at - start
                             streamed = True
                             emitted.append(event.token)
                         if isinstance(event, Done):
@@ -306,6 +309,8 @@ class Router:
                                 handed = event.usage
                         yield event
                         if ttft_s is not None:  # once the first token has left: its bookkeeping is not on its path
+                            if prepared.stream:  # (its frame was written before this generator went on)
+                                self.metrics.relay_s.observe(time.perf_counter() - first_at)
                             self.inflight.started(ticket)
                             self.metrics.ttft.observe(ttft_s)
                 return

@@ -45,12 +45,12 @@ class SplitCharacterWorker:
         yield Done("length", USAGE)
 
 
-async def stream(chat: bool) -> tuple[list[dict], bool]:
+async def stream(chat: bool, router: Router | None = None) -> tuple[list[dict], bool]:
     """(every data frame's JSON, whether the first frame with a choice came before the worker was released)."""
     worker = SplitCharacterWorker()
-    config = RouterConfig(model="m", namespace=NS, max_context=1000, vocab_size=259)
-    view = IndexView({"a": NodeRecord("a", "http://a", "", 4, 0, "m", namespace=NS.root().hex())})
-    server = serve_router(Router(config, ByteTokenizer(), view, worker, CostModel()))
+    router = router or new_router()
+    router.client = worker
+    server = serve_router(router)
     sock = socket.create_server(("127.0.0.1", 0))
     await server.start(sock)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -79,6 +79,12 @@ async def stream(chat: bool) -> tuple[list[dict], bool]:
     return frames, first_before_release
 
 
+def new_router() -> Router:
+    config = RouterConfig(model="m", namespace=NS, max_context=1000, vocab_size=259)
+    view = IndexView({"a": NodeRecord("a", "http://a", "", 4, 0, "m", namespace=NS.root().hex())})
+    return Router(config, ByteTokenizer(), view, SplitCharacterWorker(), CostModel())
+
+
 def _text(frame: dict) -> str | None:
     choice = frame["choices"][0]
     return choice["delta"].get("content") if "delta" in choice else choice.get("text")
@@ -98,3 +104,15 @@ def test_a_chat_stream_also_has_a_frame_for_the_held_back_token():
     assert first_before_release
     contents = [_text(f) for f in frames if f["choices"] and _text(f) is not None]
     assert contents[0] == "" and "".join(contents) == "é!"
+
+
+def test_the_router_times_its_own_phases_of_a_stream():
+    router = new_router()
+    asyncio.run(stream(chat=False, router=router))
+    asyncio.run(stream(chat=True, router=router))
+    counts = {s.labels["phase"]: s.value for m in router.metrics.overhead.collect() for s in m.samples
+              if s.name.endswith("_count")}
+    sums = {s.labels["phase"]: s.value for m in router.metrics.overhead.collect() for s in m.samples
+            if s.name.endswith("_sum")}
+    assert counts == {"prepare": 2.0, "decide": 2.0, "relay": 2.0}
+    assert all(0 < sums[phase] < 1.0 for phase in counts), sums
