@@ -118,7 +118,12 @@ def cuts(text: str, min_chars: int = MIN_CHUNK_CHARS) -> list[int]:
 
 
 class ChunkedEncoder:
-    """encode(text) -> int32 ids, equal to encode_batch([text])[0] for a tokenizer `refusal` accepts."""
+    """encode(text) -> int32 ids, equal to encode_batch([text])[0] for a tokenizer `refusal` accepts.
+
+    The chunks not cached are encoded one call each: the tokenizers library runs a batch of two or more on
+    its thread pool, whose threads sleep between a router's requests; waking them cost 0.14 ms at the median
+    and 0.26 at p90 for two ~55-character chunks after 30 ms idle (0.43 / 0.63 against 0.29 / 0.36 ms one by
+    one, interleaved, 300 each), and a router's concurrency is across requests anyway."""
 
     def __init__(self, encode_batch: Callable[[list[str]], list[list[int]]], min_chars: int = MIN_CHUNK_CHARS,
                  max_chunks: int = MAX_CACHED_CHUNKS, max_chars: int = MAX_CACHED_CHARS) -> None:
@@ -142,8 +147,8 @@ class ChunkedEncoder:
         self.num_hits += len(chunks) - len(missing)
         self.num_misses += len(missing)
         if missing:
-            for i, ids in zip(missing, self._encode_batch([chunks[i] for i in missing])):
-                parts[i] = np.array(ids, dtype=TOKEN_DTYPE)
+            for i in missing:  # one call each: a batch of several wakes the tokenizer's thread pool (above)
+                parts[i] = np.array(self._encode_batch([chunks[i]])[0], dtype=TOKEN_DTYPE)
                 if len(chunks[i]) <= self.max_chars:
                     self._cache[chunks[i]] = parts[i]
             while len(self._cache) > self.max_chunks:

@@ -88,6 +88,16 @@ def test_texts_sharing_a_beginning_reuse_its_chunks_and_stay_exact(shared, tails
     assert encoder.num_hits >= (len(tails) - 1) * len(full_chunks)
 
 
+def test_missing_chunks_are_encoded_one_call_each():
+    """A batch of two or more runs on the tokenizer's thread pool, whose wake-up costs more than the work."""
+    encode = whole(ACCEPTED["cl100k (Llama 3)"])
+    calls: list[list[str]] = []
+    encoder = ChunkedEncoder(lambda texts: calls.append(list(texts)) or encode(texts), min_chars=4)
+    text = "one two three four five six seven eight nine ten"
+    assert encoder.encode(text).tolist() == encode([text])[0]
+    assert len(calls) == len(cuts(text, 4)) + 1 >= 5 and all(len(batch) == 1 for batch in calls)
+
+
 def test_cuts_are_content_defined_and_before_a_space_after_non_whitespace():
     text = "alpha beta, gamma (delta) epsilon: 42 zeta? \ufffd eta  theta\t iota\u00a0 kappa lambda mu"
     found = cuts(text, 10)
