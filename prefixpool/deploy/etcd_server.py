@@ -44,6 +44,7 @@ class EtcdServerConfig:
     start_timeout_s: float = 20.0
     log_level: str = "error"
     max_txn_ops: int = 1024  # etcd's default is 128; EtcdClient tries LARGE_TXN_OPS (this) per txn first
+    grpc_gateway: bool = True  # etcd's JSON gateway (EtcdClient.put uses it); off only to test without it
 
 
 def find_binary(name: str = "etcd") -> str:
@@ -106,6 +107,7 @@ class EtcdServer:
             "--initial-cluster", f"{self.config.name}={peer_url}",
             "--log-level", self.config.log_level,
             "--max-txn-ops", str(self.config.max_txn_ops),
+            f"--enable-grpc-gateway={str(self.config.grpc_gateway).lower()}",
         ]  # fmt: skip
 
     def start(self) -> "EtcdServer":

@@ -1,4 +1,4 @@
-"""The router's HTTP surface (prefixpool/router/http1_server.py): OpenAI endpoints, /v1/route, /v1/admin/pin,
+"""The router's HTTP surface (prefixpool/net/http1_server.py): OpenAI endpoints, /v1/route, /v1/admin/pin,
 health and metrics.
 
     app = RouterApp(router, drain)    the server's handler: routes by path and method, counts each answer
@@ -22,7 +22,7 @@ import msgspec
 from prefixpool.router import openai_format as fmt
 from prefixpool.router.admin_pin import decode_pin, forward_pin
 from prefixpool.router.detokenizer import Detokenizer
-from prefixpool.router.http1_server import Answer, Http1Server, Request, Stream
+from prefixpool.net.http1_server import Answer, Http1Server, Request, Stream
 from prefixpool.router.openai_logprobs import LogprobsShape
 from prefixpool.router.errors import APIError, InternalError, InvalidRequest, RouteNotFound, ServiceUnavailable
 from prefixpool.contract.drain import Drain, DrainDeadline, Draining

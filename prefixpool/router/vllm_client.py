@@ -20,7 +20,7 @@
 Sending token ids rather than text makes vLLM compute exactly the blocks the
 router routed on: the keys it predicted are the keys vLLM's events report (and
 saves vLLM its tokenizing: 0.7 ms of TTFT at 544 tokens, benchmarks/gateway.md).
-Requests go through the lean HTTP/1.1 client (http1.py), kept-alive per server.
+Requests go through the lean HTTP/1.1 client (prefixpool/net/http1_client.py), kept-alive per server.
 The fetch part of a plan is ignored (vLLM reads only its own cache). Knows
 nothing of routing or etcd.
 """
@@ -35,7 +35,7 @@ from typing import Any, AsyncIterator, Sequence
 import msgspec
 
 from prefixpool.contract.worker_api import Done, Event, Failed, GenerateRequest, Token, Usage
-from prefixpool.router.http1 import Http1Client, Response
+from prefixpool.net.http1_client import Http1Client, Response
 from prefixpool.router.worker_client import WorkerUnreachable
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ class VllmClient:
 
     def _post(self, vllm_url: str, body: dict):
         """POST `body` to vLLM's /v1/completions, encoded by msgspec (the prompt's ids list 0.2 ms faster than
-        the json module, measured by py-spy under bench_gateway --added), through the lean client (http1.py)."""
+        the json module, measured by py-spy under bench_gateway --added), through the lean client
+        (prefixpool/net/http1_client.py)."""
         return self._http.post(vllm_url, COMPLETIONS, msgspec.json.encode(body))
 
     def body(self, request: GenerateRequest) -> dict:
@@ -112,7 +113,7 @@ class VllmClient:
                             yield event
                             return
                         yield event
-        except OSError as err:  # refused, reset, closed early, timed out, not HTTP (http1.py)
+        except OSError as err:  # refused, reset, closed early, timed out, not HTTP (net/http1_client.py)
             raise WorkerUnreachable(f"{vllm_url}: {err!r}") from err
         raise WorkerUnreachable(f"{vllm_url}: the stream ended without usage")
 

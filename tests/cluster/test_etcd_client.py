@@ -1,11 +1,12 @@
 """The etcd facade against a real etcd: batched txns, leases, consistent reads, watch, compaction, failover."""
 
 import asyncio
+import signal
 
 import pytest
 
 from prefixpool.meta.etcd_client import MAX_TXN_OPS, EtcdClient, EtcdUnavailable, LeaseNotFound, RevisionCompacted
-from prefixpool.deploy.etcd_server import free_port
+from prefixpool.deploy.etcd_server import EtcdServer, EtcdServerConfig, free_port
 from tests.conftest import etcdctl_get_prefix
 
 
@@ -90,6 +91,47 @@ def test_unreachable_etcd_raises_unavailable_and_a_second_endpoint_takes_over(et
             await client.get_prefix(b"/")
         await client.put(f"/{ns}/a".encode(), b"1")  # the next call goes to the live endpoint
         assert len((await client.get_prefix(f"/{ns}/".encode())).kvs) == 1
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_put_through_the_json_gateway_is_exact_and_an_etcd_without_it_gets_grpc(etcd, ns):
+    async def scenario(endpoint: str, gateway: bool):
+        client = EtcdClient(endpoint)
+        lease = await client.grant(30)
+        key, value = f"/{ns}/g/\xff".encode("latin-1") + bytes(range(256)), bytes(range(256)) * 3
+        revision = await client.put(key, value, lease)
+        assert client._gateway is gateway  # the gateway answered, or the txn took over for good
+        (kv,) = (await client.get_prefix(f"/{ns}/g/".encode())).kvs
+        assert (kv.key, kv.value, kv.mod_revision, kv.lease) == (key, value, revision, lease)
+        assert await client.put(key, b"again") > revision
+        await client.revoke(lease)
+        with pytest.raises(LeaseNotFound):
+            await client.put(key, b"1", lease)
+        await client.close()
+
+    asyncio.run(scenario(etcd.endpoint, True))
+    without = EtcdServer(EtcdServerConfig(grpc_gateway=False)).start()
+    try:
+        asyncio.run(scenario(without.endpoint, False))
+    finally:
+        without.close()
+
+
+def test_a_put_to_a_stopped_etcd_is_unavailable_and_goes_through_once_it_is_back(own_etcd, ns):
+    async def scenario():
+        client = EtcdClient(own_etcd.endpoint, timeout_s=1.0)
+        await client.put(f"/{ns}/a".encode(), b"1")  # a kept-alive connection to the gateway
+        own_etcd.process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(EtcdUnavailable):
+                await client.put(f"/{ns}/a".encode(), b"2")
+        finally:
+            own_etcd.process.send_signal(signal.SIGCONT)
+        revision = await client.put(f"/{ns}/b".encode(), b"3")  # (the timed-out put may still land: another key)
+        (kv,) = (await client.get_prefix(f"/{ns}/b".encode())).kvs
+        assert (kv.value, kv.mod_revision) == (b"3", revision)
         await client.close()
 
     asyncio.run(scenario())

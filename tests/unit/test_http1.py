@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 client (prefixpool/router/http1.py) against scripted servers: exact bytes on real sockets.
+"""The lean HTTP/1.1 client (prefixpool/net/http1_client.py) against scripted servers: exact bytes on real sockets.
 
 Each server is an asyncio TCP server on 127.0.0.1 whose handler reads requests and writes the answer
 a case needs (chunked with extensions and trailers, Content-Length, until close, split across writes,
@@ -13,7 +13,7 @@ from typing import Awaitable, Callable
 
 import pytest
 
-from prefixpool.router.http1 import Http1Client, HttpProtocolError, Response
+from prefixpool.net.http1_client import Http1Client, HttpProtocolError, Response
 from prefixpool.router.vllm_client import VllmClient
 from prefixpool.router.worker_client import WorkerUnreachable
 from prefixpool.contract.worker_api import GenerateRequest, SamplingParams

@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 server (prefixpool/router/http1_server.py) against raw clients: exact bytes on real sockets.
+"""The lean HTTP/1.1 server (prefixpool/net/http1_server.py) against raw clients: exact bytes on real sockets.
 
 Every wait is bounded (a server that does not answer fails the test instead of hanging it).
 """
@@ -11,7 +11,7 @@ import socket
 
 import pytest
 
-from prefixpool.router.http1_server import Answer, Http1Server, Request, Stream
+from prefixpool.net.http1_server import Answer, Http1Server, Request, Stream
 
 WAIT_S = 10.0
 

@@ -18,25 +18,27 @@ PACKAGE = ROOT / "prefixpool"
 # wing -> the wings it may import directly. Order matters only for reading: bottom first.
 ALLOWED = {
     "store": set(),
+    "net": set(),
     "transfer": {"store"},
-    "meta": {"store"},
+    "meta": {"store", "net"},
     "contract": {"store"},
     "model": {"store"},
     "node": {"store", "transfer", "meta"},
     "engine": {"store", "contract", "model"},
-    "router": {"store", "meta", "contract", "model"},
+    "router": {"store", "meta", "contract", "model", "net"},
     "worker": {"store", "transfer", "meta", "contract", "model", "engine", "node"},
     "vllm_sidecar": {"store", "meta"},
     "vllm_connector": {"store", "transfer", "meta", "node"},
     "replay": {"store", "meta", "router"},
-    "deploy": {"store", "transfer", "meta", "contract", "model", "node", "engine", "router", "worker",
+    "deploy": {"store", "net", "transfer", "meta", "contract", "model", "node", "engine", "router", "worker",
                "vllm_sidecar", "vllm_connector", "replay"},
-    "testing": {"store", "transfer", "meta", "contract", "model", "node", "engine", "router", "worker",
+    "testing": {"store", "net", "transfer", "meta", "contract", "model", "node", "engine", "router", "worker",
                 "vllm_sidecar", "vllm_connector", "replay", "deploy"},
 }
 # modules that must not load, through any chain of imports, in a wing's process
 NEVER = {
     "store": {"aiohttp", "aetcd", "ray", "prefixpool.router"},
+    "net": {"aiohttp", "aetcd", "ray", "torch", "numpy", "prefixpool.router", "prefixpool.meta"},
     "meta": {"prefixpool.router", "prefixpool.engine", "torch", "ray"},
     "model": {"torch", "aiohttp", "ray"},
     "node": {"prefixpool.router", "aiohttp.web", "ray", "prefixpool.engine"},

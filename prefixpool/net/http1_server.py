@@ -34,7 +34,7 @@ import time
 from email.utils import formatdate
 from typing import Awaitable, Callable
 
-from prefixpool.router.http1_wire import (Body, Connection, HeadTooLarge, HttpProtocolError, content_length, fields,
+from prefixpool.net.http1_wire import (Body, Connection, HeadTooLarge, HttpProtocolError, content_length, fields,
                                          read_until)
 
 log = logging.getLogger(__name__)

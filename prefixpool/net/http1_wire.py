@@ -1,4 +1,5 @@
-"""HTTP/1.1 framing over one buffered TCP connection, for the lean client (http1.py) and server (http1_server.py).
+"""HTTP/1.1 framing over one buffered TCP connection, for the lean client (http1_client.py) and server
+(http1_server.py).
 
     conn = Connection()                   an asyncio Protocol: what arrived and is not yet read, in conn.buffer
     await read_until(conn, b"\\r\\n\\r\\n", t)  the buffer up to a mark, taken out (a head: at most MAX_HEAD_BYTES)

@@ -31,7 +31,7 @@ import time
 from typing import AsyncIterator
 from urllib.parse import urlsplit
 
-from prefixpool.router.http1_wire import Body, Connection, HttpProtocolError, content_length, fields, read_until
+from prefixpool.net.http1_wire import Body, Connection, HttpProtocolError, content_length, fields, read_until
 
 IDLE_S = 2.0  # an idle connection older than this is closed, not reused (uvicorn's keep-alive: 5 s)
 MAX_IDLE = 64  # idle connections kept per server
