@@ -47,7 +47,8 @@ def error_answer(err: APIError) -> Answer:
 
 
 def app_errors(status: int, message: str) -> bytes:
-    """The server's own 4xx (a malformed request, a head or body too large) in the API's error shape."""
+    """The server's own answers (a malformed request, a head or body too large: 4xx; a handler's uncaught error:
+    500) in the API's error shape."""
     return msgspec.json.encode((InternalError if status >= 500 else InvalidRequest)(message).body())
 
 
