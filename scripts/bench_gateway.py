@@ -57,6 +57,7 @@ from prefixpool.deploy.vllm_server import DEFAULT_PYTHON, VllmConfig
 from prefixpool.meta.etcd_client import EtcdClient
 from prefixpool.meta.layout import Layout
 from prefixpool.model.tokenizer import load_tokenizer
+from prefixpool.testing.proc_cpu import cpu_seconds
 from prefixpool.testing.prometheus import buckets, quantile, scrape
 
 REPO = Path(__file__).resolve().parent.parent
@@ -400,10 +401,10 @@ def added_latency(requests: int, model_dir: Path, tmp: Path, out: Path | None, s
                 fronts[name] = start_peer(front, [direct], tmp)
                 paths[name] = fronts[name].url
             pids = {name: front.pid for name, front in fronts.items()}
-            before = {name: cpu_s(pid) for name, pid in pids.items()}
+            before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             phases_before = {phase: buckets(url, OVERHEAD, f'phase="{phase}"') for phase in PHASES}
             ttfts = asyncio.run(_in_turn(paths, tokenizer, shape, requests))
-            cpu = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
+            cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
             phases = {phase: {bound: count - phases_before[phase].get(bound, 0.0) for bound, count in
                               buckets(url, OVERHEAD, f'phase="{phase}"').items()} for phase in PHASES}
         finally:
@@ -443,12 +444,6 @@ def start_router_at(revision: str, cluster: LocalCluster, work: Path):
                                                "--policy", "pressure")[1:]]  # -P: not this tree from the cwd
     child = spawn(f"router-at-{time.monotonic_ns()}", argv, work, env={"PYTHONPATH": str(tree)})
     return child.url, child
-
-
-def cpu_s(pid: int) -> float:
-    """A process's user + system CPU seconds so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _in_turn(paths: dict[str, str], tokenizer, shape: Shape, requests: int) -> dict[str, list[float]]:

@@ -31,7 +31,8 @@ import time
 from typing import AsyncIterator
 from urllib.parse import urlsplit
 
-from prefixpool.net.http1_wire import Body, Connection, HttpProtocolError, content_length, fields, read_until
+from prefixpool.net.http1_wire import (Body, Connection, HttpProtocolError, content_length, fields, keeps_alive,
+                                       read_until)
 
 IDLE_S = 2.0  # an idle connection older than this is closed, not reused (uvicorn's keep-alive: 5 s)
 MAX_IDLE = 64  # idle connections kept per server
@@ -202,5 +203,4 @@ async def _head(conn: Connection, timeout_s: float) -> tuple[int, dict[bytes, by
         status = int(rest[:3])
         headers = fields(lines[1:])
         if status >= 200:
-            connection = headers.get(b"connection", b"").lower()
-            return status, headers, connection == b"keep-alive" or (version != b"HTTP/1.0" and connection != b"close")
+            return status, headers, keeps_alive(version == b"HTTP/1.0", headers)

@@ -35,7 +35,7 @@ from email.utils import formatdate
 from typing import Awaitable, Callable
 
 from prefixpool.net.http1_wire import (Body, Connection, HeadTooLarge, HttpProtocolError, content_length, fields,
-                                         read_until)
+                                         keeps_alive, read_until)
 
 log = logging.getLogger(__name__)
 KEEP_ALIVE_S = 75.0  # as aiohttp's server: an idle connection, or a request this slow to arrive, is closed
@@ -79,15 +79,11 @@ class Stream:
         framing = b"Connection: close\r\n" if http10 else b"Transfer-Encoding: chunked\r\n"
         self._head: bytes | None = _status_line(status) + _date() + headers + framing + b"\r\n"
         self.ended = False
-        self.close = http10
+        self.close = http10  # close the connection once it ends (set: the client's next request goes elsewhere)
 
     @property
     def started(self) -> bool:
         return self._head is None
-
-    def close_after(self) -> None:
-        """Close the connection once the answer ends (the client's next request goes elsewhere)."""
-        self.close = True
 
     async def write(self, data: bytes) -> None:
         if not data:
@@ -200,7 +196,7 @@ class Http1Server:
         except _TooLarge:
             await self._refuse(conn, 413, f"the request body is over the limit of {self.max_body_bytes} bytes")
             return False
-        keep = _keep_alive(request)
+        keep = keeps_alive(request._http10, request.headers)
         try:
             answer = await self.handler(request)
         except Exception as err:
@@ -211,10 +207,12 @@ class Http1Server:
                 return False  # cut: the client sees the stream end without its last chunk
             answer = Answer(500, self.errors(500, "internal error; see the log"), self.error_type)
         if isinstance(answer, Stream):
-            if not answer.ended:
-                await answer.end()
-            return keep and not answer.close and not self.closing
-        self._write(conn, answer, keep)
+            await answer.end()  # (nothing more if the handler ended it)
+        elif request._stream is not None and request._stream.started:
+            log.error("%s %s answered whole after its stream began; the stream is cut", request.method, request.path)
+            return False  # a second answer on the connection would be read as the stream's bytes
+        else:
+            self._write(conn, answer, keep)
         return keep and not answer.close and not self.closing
 
     async def _refuse(self, conn: _ServerConnection, status: int, message: str) -> None:
@@ -276,11 +274,6 @@ class Http1Server:
 
 class _TooLarge(Exception):
     pass
-
-
-def _keep_alive(request: Request) -> bool:
-    connection = request.headers.get(b"connection", b"").lower()
-    return connection == b"keep-alive" if request._http10 else connection != b"close"
 
 
 _STATUS_LINES: dict[int, bytes] = {}

@@ -4,6 +4,7 @@
     conn = Connection()                   an asyncio Protocol: what arrived and is not yet read, in conn.buffer
     await read_until(conn, b"\\r\\n\\r\\n", t)  the buffer up to a mark, taken out (a head: at most MAX_HEAD_BYTES)
     fields(lines)                         header lines -> {lowercased name: value}
+    keeps_alive(http10, headers)          whether the connection stays open after this message
     body = Body(conn, chunked, length)    a message body: chunked, Content-Length, or (length None) until close
     async for piece in body.chunks(t)     its pieces as they arrive, the chunked framing removed
     await conn.drained()                  until the transport takes writes again (its buffer was full)
@@ -127,6 +128,13 @@ def fields(lines: list[bytes]) -> dict[bytes, bytes]:
             raise HttpProtocolError(f"not a header line: {line[:80]!r}")
         headers[name.strip().lower()] = value.strip()
     return headers
+
+
+def keeps_alive(http10: bool, headers: dict[bytes, bytes]) -> bool:
+    """Whether a message leaves its connection open: HTTP/1.1 unless `Connection: close`, HTTP/1.0 only with
+    `Connection: keep-alive`."""
+    connection = headers.get(b"connection", b"").lower()
+    return connection == b"keep-alive" if http10 else connection != b"close"
 
 
 def content_length(value: bytes | None) -> int | None:

@@ -226,10 +226,7 @@ class RouterApp:
         except (Draining, DrainDeadline) as err:
             answer = error_answer(ServiceUnavailable(f"router shutting down: {err}", code="router_draining"))
         if not self.drain.serving:  # the client's next request opens a connection to a router that serves
-            if isinstance(answer, Stream):
-                answer.close_after()
-            else:
-                answer.close = True
+            answer.close = True
         return answer
 
     async def _answer(self, handler: Handler, request: Request) -> Answer | Stream:

@@ -217,6 +217,25 @@ def test_a_handler_error_is_a_500_and_the_connection_serves_on(caplog):
     assert "unhandled error on POST /bug" in caplog.text
 
 
+def test_a_whole_answer_after_a_stream_began_cuts_the_stream_instead_of_following_it(caplog):
+    async def changes_its_mind(request: Request) -> Answer:
+        stream = request.stream(b"")
+        await stream.write(b"partial")
+        return Answer(500, b"an error answer")  # (a handler that caught an error mid-stream)
+
+    async def case() -> None:
+        async with Served(changes_its_mind) as served:
+            reader, writer = await served.connect()
+            writer.write(post(b"/s", b""))
+            data = await until_closed(reader)
+            assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(b"7\r\npartial\r\n")
+            assert b"HTTP/1.1 500" not in data
+
+    with caplog.at_level(logging.ERROR):
+        run(case)
+    assert "answered whole after its stream began" in caplog.text
+
+
 def test_a_client_that_leaves_mid_stream_ends_the_handler_quietly(caplog):
     ended: asyncio.Queue = asyncio.Queue()
 
