@@ -41,5 +41,6 @@ class RouterSettings(CommonSettings):
     router_id: str = setting("", "this router's name in etcd (its load entry); empty: <hostname>-<pid>")
     lease_ttl_s: int = setting(10, "TTL of the router's etcd lease: a dead router's load entry vanishes after it")
     load_publish_s: float = setting(0.02, "at most one put of this router's in-flight load per this many seconds")
-    load_publish_alone_s: float = setting(1.0, "the same while no other router is routing, ends aside (they are "
-                                          "put at once: the workers' own load reports are ordered by them)")
+    load_publish_alone_s: float = setting(1.0, "the same while no other router is routing (an end is ordered at "
+                                          "once by a read of etcd's revision: the workers' own load reports need "
+                                          "it)")

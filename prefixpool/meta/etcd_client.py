@@ -5,6 +5,7 @@
                                      (asks for LARGE_TXN_OPS; an etcd that refuses it, being
                                       at its default --max-txn-ops, gets MAX_TXN_OPS from then on)
     put(key, value, lease)        -> revision                    one key, over etcd's JSON gateway (below)
+    revision(key)                 -> revision                    etcd's now, linearizable, no write (gateway)
     grant / keepalive / revoke    leases (keepalive answers the TTL left; 0: the lease is gone)
     watch_prefix(prefix, start)   -> Watch, async-iterates WatchBatch (events of one or more
                                      revisions, in order); raises RevisionCompacted
@@ -107,6 +108,10 @@ class WatchBatch:
     events: list[WatchEvent]
 
 
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
 def translate(error: Exception) -> EtcdError:
     if isinstance(error, EtcdError):
         return error
@@ -136,7 +141,7 @@ class EtcdClient:
         self._current = 0
         self._client: aetcd.Client | None = None
         self._http = Http1Client(connect_timeout_s=timeout_s, read_timeout_s=timeout_s)
-        self._gateway = True  # False once an endpoint answered a put without etcd's JSON gateway
+        self._gateway = True  # False once an endpoint answered a gateway path without etcd's JSON gateway
 
     async def _connected(self) -> aetcd.Client:
         if self._client is None:
@@ -200,13 +205,29 @@ class EtcdClient:
                 self._gateway = False
         return await self.apply([(key, value)], [], lease)
 
+    async def revision(self, key: bytes) -> int:
+        """etcd's revision now, read linearizably and writing nothing (a count of `key`): whatever etcd orders
+        after this answer has a higher revision (a lone router orders its ends so, router/inflight.py)."""
+        if self._gateway:
+            try:
+                reply = await self._gateway_call(b"/v3/kv/range", {"key": _b64(key), "count_only": True})
+                return int(reply["header"]["revision"])
+            except _NoGateway:
+                self._gateway = False
+        async with self._session() as client:
+            request = rpc.RangeRequest(key=key, count_only=True)
+            return (await client.kvstub.Range(request, timeout=self.timeout_s)).header.revision
+
     async def _gateway_put(self, key: bytes, value: bytes, lease: int) -> int:
-        body = msgspec.json.encode({"key": base64.b64encode(key).decode(), "value": base64.b64encode(value).decode(),
-                                    "lease": str(lease)})
+        reply = await self._gateway_call(b"/v3/kv/put", {"key": _b64(key), "value": _b64(value), "lease": str(lease)})
+        return int(reply["header"]["revision"])
+
+    async def _gateway_call(self, path: bytes, fields: dict) -> dict:
+        """POST `fields` as JSON to the gateway's `path`; its answer, errors mapped as the gRPC ones."""
         url = f"http://{self.endpoints[self._current]}"
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with self._http.post(url, b"/v3/kv/put", body) as response:
+                async with self._http.post(url, path, msgspec.json.encode(fields)) as response:
                     status, answer = response.status, await response.read()
         except (OSError, TimeoutError) as error:
             raise await self._failed(error) from error
@@ -215,9 +236,9 @@ class EtcdClient:
         except msgspec.DecodeError:
             reply = None
         if status == 200 and isinstance(reply, dict) and "header" in reply:
-            return int(reply["header"]["revision"])
+            return reply
         if not isinstance(reply, dict) or "code" not in reply:  # not the gateway's answer: no gateway there
-            raise _NoGateway(f"{url}/v3/kv/put answered {status}: {answer[:80]!r}")
+            raise _NoGateway(f"{url}{path.decode()} answered {status}: {answer[:80]!r}")
         message = str(reply.get("message") or reply.get("error") or "")
         if "lease not found" in message:
             raise LeaseNotFound(message)

@@ -4,12 +4,14 @@
     loop:   woken by the tracker's on_change, or every ttl/4 for the keepalive:
             keepalive(L) when due; if the snapshot changed since the last put, put it; then sleep
             `period_s`, so a burst of begins and ends costs one put, not one each
-    alone:  while no other router is routing (`peers()` is 0: none in the fleet, or all idle), only an
-            end is put at once (the ordering point the workers' own load reports need: router/inflight.py);
-            other changes (begins, first tokens, routed keys) wait up to `alone_period_s`: nobody else
-            reads them, and each put costs this router, etcd and every mirror CPU on the request path.
-            A router that starts routing sees this one's entry (ends current, begins up to
-            `alone_period_s` late) and puts its own changes at once; this one leaves alone mode on them
+    alone:  while no other router is routing (`peers()` is 0: none in the fleet, or all idle), changes
+            wait up to `alone_period_s` and go as one put: nobody else reads them, and each put costs
+            this router, etcd (a raft write) and every mirror (a watch event) CPU on the request path.
+            An end still gets its ordering point at once (what the workers' own load reports need:
+            router/inflight.py), from a linearizable read of etcd's revision: no write, no event.
+            A router that starts routing sees this one's entry (up to `alone_period_s` late: in flight
+            counts that ended meanwhile still in it) and puts its own changes at once; this one leaves
+            alone mode on them
     lost L: (etcd restarted empty, the router stalled past the TTL) grant a new one, put again
     stop:   revoke L: the entry leaves etcd now; a killed router's entry leaves when L expires
 
@@ -45,7 +47,7 @@ class LoadPublisherConfig:
     ttl_s: int = 10
     period_s: float = 0.02  # at most one put per period
     retry_s: float = 0.5
-    alone_period_s: float = 1.0  # while no other router is routing: at most one put per this, ends aside
+    alone_period_s: float = 1.0  # while no other router is routing: at most one put per this, an end ordered by a read
 
 
 class LoadPublisher:
@@ -59,6 +61,7 @@ class LoadPublisher:
         self.lease_id: int | None = None
         self.revision = 0  # etcd revision of our latest put
         self.num_puts = 0
+        self.num_reads = 0  # ends ordered by a read instead of a put (alone)
         self._published: tuple[dict[str, tuple[int, int]], dict[str, list[bytes]]] | None = None
         self._kept_at = 0.0  # time.monotonic() of the latest grant or keepalive
         self._put_at = 0.0  # time.monotonic() of the latest put
@@ -100,8 +103,11 @@ class LoadPublisher:
         unordered = self.tracker.unpublished()
         if (current, routed) == self._published and not unordered:
             return
-        if alone and not unordered and time.monotonic() - self._put_at < self.config.alone_period_s:
+        if alone and time.monotonic() - self._put_at < self.config.alone_period_s:
             self._held_back = True
+            if unordered:  # an end: ordered at once by a read (no write, no watch event), put with the rest later
+                self.tracker.published(current, await self.client.revision(self.layout.router_key(self.router_id)))
+                self.num_reads += 1
             return
         assert self.lease_id is not None
         load = RouterLoad(self.router_id, current, self.url, routed)

@@ -22,10 +22,11 @@ class WorkerInflight:
     queued_prefill_tokens: int = 0
     num_queued: int = 0
     num_running: int = 0
-    # etcd revision of the put that published our latest end here (prefixpool.meta.fleet_load); None while an end
-    # is not yet published. A worker's own load report is newer than our count only past it: an older report may
-    # still count a request of ours that ended. A begin needs no such point: a report that misses our new request
-    # is only below our own count, which includes it.
+    # an etcd revision ordered after our latest end here: the put that published it (prefixpool.meta.fleet_load),
+    # or a read of etcd's revision right after it (a lone router's); None while an end is not yet ordered. A
+    # worker's own load report is newer than our count only past it: an older report may still count a request
+    # of ours that ended. A begin needs no such point: a report that misses our new request is only below our own
+    # count, which includes it.
     published_revision: int | None = 0
 
 
@@ -90,11 +91,12 @@ class InflightTracker:
                 if load.num_queued or load.num_running}
 
     def unpublished(self) -> bool:
-        """Some end is not yet ordered by a put, even where the load went back to what etcd holds."""
+        """Some end is not yet ordered by etcd (a put or a read), even where the load went back to what etcd holds."""
         return any(load.published_revision is None for load in self._workers.values())
 
     def published(self, snapshot: dict[str, tuple[int, int]], revision: int) -> None:
-        """`snapshot` went to etcd at `revision`: workers unchanged since it was taken are published."""
+        """`snapshot` went to etcd at `revision` (or was current when etcd answered that revision to a read):
+        workers unchanged since it was taken have their ends ordered."""
         for worker, load in self._workers.items():
             if load.published_revision is None and snapshot.get(worker, (0, 0)) == self._entry(load):
                 load.published_revision = revision

@@ -233,8 +233,8 @@ class Router:
         """Our own live in-flight work plus what every other router last published for this worker.
 
         The worker's own count, where larger, covers work that no router published (clients
-        calling it directly). It counts only when etcd ordered it after the put that published
-        our latest change on that worker: an older report may still hold our finished requests.
+        calling it directly). It counts only when etcd ordered it after our latest end on that
+        worker (prefixpool.meta.load_publisher): an older report may still hold our finished requests.
         """
         own = self.inflight.load_of(node_id)
         requests, queued_tokens = self.view.fleet_share(node_id, self.config.router_id)

@@ -135,3 +135,22 @@ def test_a_put_to_a_stopped_etcd_is_unavailable_and_goes_through_once_it_is_back
         await client.close()
 
     asyncio.run(scenario())
+
+
+def test_revision_reads_etcds_revision_without_writing(own_etcd, ns):  # its own: no other test's lease expires
+    async def scenario(endpoint: str, gateway: bool) -> None:
+        client = EtcdClient(endpoint)
+        key = f"/{ns}/r/\xff".encode("latin-1")
+        written = await client.put(key, b"1")
+        assert await client.revision(key) == written == await client.revision(b"/no/such/key")
+        assert client._gateway is gateway
+        assert await client.revision(key) == written  # reading wrote nothing
+        assert await client.put(key, b"2") == written + 1 == await client.revision(key)
+        await client.close()
+
+    asyncio.run(scenario(own_etcd.endpoint, True))
+    without = EtcdServer(EtcdServerConfig(grpc_gateway=False)).start()
+    try:
+        asyncio.run(scenario(without.endpoint, False))
+    finally:
+        without.close()

@@ -1,5 +1,5 @@
 """A router's load entry in a real etcd: every change put, and a load back where etcd has it put again; a router
-alone in its fleet puts an end at once and holds other changes back."""
+alone in its fleet orders an end at once by a read of etcd's revision and holds its changes back."""
 
 import asyncio
 
@@ -71,9 +71,10 @@ def test_every_change_is_put_and_a_load_back_where_it_was_is_put_again(etcd, ns)
     assert len(revisions) == 7 and revisions == sorted(set(revisions))  # the start, five changes, the same again
 
 
-async def alone(endpoint: str, ns: str, alone_period_s: float) -> tuple[int, dict, int, dict]:
+async def alone(endpoint: str, ns: str, alone_period_s: float) -> tuple[int, dict, list[int], dict, int, int]:
     """No other router: three begins (no end among them), then an end. The puts after the begins and what etcd
-    holds a moment later; the puts once the end is in etcd, and what it holds."""
+    holds a moment later; once the end is ordered: the revisions told the tracker, what etcd holds, the puts
+    and reads made, and etcd's revision then."""
     client = EtcdClient(endpoint)
     tracker = Tracker()
     config = LoadPublisherConfig(ttl_s=5, period_s=0.01, alone_period_s=alone_period_s)
@@ -90,36 +91,43 @@ async def alone(endpoint: str, ns: str, alone_period_s: float) -> tuple[int, dic
         async with asyncio.timeout(10):
             while tracker.pending:
                 await asyncio.sleep(0.01)
-        return *held, len(tracker.revisions), await in_etcd(client, ns)
+        now = (await client.get_prefix(f"/{ns}/".encode())).revision
+        return *held, tracker.revisions, await in_etcd(client, ns), publisher.num_puts, now
     finally:
         await publisher.stop()
         await client.close()
 
 
-def test_alone_an_end_is_put_at_once_and_begins_wait(etcd, ns):
-    puts, seen, puts_after_end, seen_after_end = asyncio.run(alone(etcd.endpoint, ns, alone_period_s=60.0))
+def test_alone_an_end_is_ordered_by_a_read_at_once_and_changes_wait(etcd, ns):
+    puts, seen, revisions, seen_after_end, puts_after_end, now = asyncio.run(alone(etcd.endpoint, ns, 60.0))
     assert (puts, seen) == (1, {})  # the start's put only: the begins are held back
-    assert (puts_after_end, seen_after_end) == (2, {"w0": (2, 200)})
+    # the end: ordered at etcd's revision of that moment (nothing written since the start's put), by a read
+    assert len(revisions) == 2 and revisions[1] == now >= revisions[0]
+    assert (puts_after_end, seen_after_end) == (1, {})  # not put: it waits with the begins
 
 
-async def held_back_goes(endpoint: str, ns: str) -> dict:
-    """No other router, begins only: what etcd holds once the held-back change had its period."""
+async def held_back_goes(endpoint: str, ns: str) -> tuple[dict, int, int]:
+    """No other router, two begins and an end: what etcd holds once the held-back changes had their period, and
+    the puts and reads made."""
     client = EtcdClient(endpoint)
     tracker = Tracker()
     config = LoadPublisherConfig(ttl_s=5, period_s=0.01, alone_period_s=0.3)
     publisher = LoadPublisher(client, Layout(ns), "r0", tracker, config, peers=lambda: 0)
     try:
         await publisher.start()
-        tracker.load = {"w0": (1, 100)}
+        tracker.load = {"w0": (2, 200)}
+        publisher.changed()
+        await asyncio.sleep(0.05)
+        tracker.load, tracker.pending = {"w0": (1, 100)}, True
         publisher.changed()
         async with asyncio.timeout(10):
-            while len(tracker.revisions) < 2:
+            while publisher.num_puts < 2:
                 await asyncio.sleep(0.01)
-        return await in_etcd(client, ns)
+        return await in_etcd(client, ns), publisher.num_puts, publisher.num_reads
     finally:
         await publisher.stop()
         await client.close()
 
 
-def test_alone_a_held_back_change_is_put_after_its_period(etcd, ns):
-    assert asyncio.run(held_back_goes(etcd.endpoint, ns)) == {"w0": (1, 100)}
+def test_alone_held_back_changes_are_put_after_their_period(etcd, ns):
+    assert asyncio.run(held_back_goes(etcd.endpoint, ns)) == ({"w0": (1, 100)}, 2, 1)  # the end read, then put
