@@ -12,12 +12,18 @@
 Each variant is called in turn with the others (interleaved, so a slow spell falls on all), after
 sleeping --idle-ms, also back to back (idle 0); the first 10 calls of each are not counted. Wall time
 and the calling thread's CPU time, p50 / p90 in microseconds. Prints a markdown table.
+
+Then what each etcd call costs etcd itself, and this process: a put and a linearizable read of the
+revision (`EtcdClient.revision`, a lone router's end), each over gRPC and over the gateway, --calls
+calls of one variant back to back (etcd's CPU time is read from /proc, in clock ticks: only a total
+over many calls means anything), every --idle-ms.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import time
 from pathlib import Path
@@ -86,6 +92,42 @@ async def etcd_rows(calls: int, idles: list[float]) -> list[tuple[float, dict]]:
         server.close()
 
 
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of process `pid`, in seconds (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def etcd_cost_rows(calls: int, idle_s: float) -> list[str]:
+    """Per call: etcd's CPU and this process's, us, of each variant run alone for `calls` calls."""
+    server = EtcdServer().start()
+    clients = {"gRPC": EtcdClient(server.endpoint, gateway=False), "JSON gateway": EtcdClient(server.endpoint)}
+    try:
+        lease = await clients["gRPC"].grant(600)
+        key = b"/bench/routers/r1"
+        variants = {}
+        for way, client in clients.items():
+            variants[f"etcd put, {way}"] = lambda i, c=client: c.put(key, b'{"load": %d}' % i, lease)
+            variants[f"etcd revision read, {way}"] = lambda i, c=client: c.revision(key)
+        rows = []
+        for name, call in variants.items():
+            for i in range(WARM_UP):
+                await call(i)
+            etcd_before, own_before = proc_cpu_s(server.pid), time.process_time()
+            for i in range(calls):
+                await asyncio.sleep(idle_s)
+                await call(i)
+            etcd_us = (proc_cpu_s(server.pid) - etcd_before) / calls * 1e6
+            own_us = (time.process_time() - own_before) / calls * 1e6
+            rows.append(f"| {name} | {calls} | {etcd_us:.0f} | {own_us:.0f} |")
+        assert clients["JSON gateway"]._gateway and not clients["gRPC"]._gateway
+        return rows
+    finally:
+        for client in clients.values():
+            await client.close()
+        server.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=300)
@@ -102,6 +144,8 @@ def main() -> None:
         for name, (wall, cpu) in results.items():
             lines.append(f"| {name} | {idle * 1000:g} | {np.percentile(wall, 50):.0f} | {np.percentile(wall, 90):.0f} "
                          f"| {np.percentile(cpu, 50):.0f} | {np.percentile(cpu, 90):.0f} |")
+    lines += ["", "| etcd call (one variant at a time) | calls | etcd CPU a call, us | this process's CPU a call, us |",
+              "|---|---:|---:|---:|", *asyncio.run(etcd_cost_rows(args.calls, args.idle_ms / 1000))]
     print("\n".join(lines))
     if args.out:
         Path(args.out).write_text(f"`python scripts/bench_cold_calls.py --calls {args.calls} --idle-ms "

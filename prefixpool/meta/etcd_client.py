@@ -131,7 +131,7 @@ class EtcdClient:
     """Connects lazily to endpoints ("host:port"), moving to the next one after a failure."""
 
     def __init__(self, endpoints: Sequence[str] | str, timeout_s: float = 5.0,
-                 max_txn_ops: int = LARGE_TXN_OPS) -> None:  # fmt: skip
+                 max_txn_ops: int = LARGE_TXN_OPS, gateway: bool = True) -> None:  # fmt: skip
         if isinstance(endpoints, str):  # "host:port,host:port", as every --etcd-endpoints flag says
             endpoints = [e.strip() for e in endpoints.split(",") if e.strip()]
         self.endpoints = list(endpoints)
@@ -141,7 +141,7 @@ class EtcdClient:
         self._current = 0
         self._client: aetcd.Client | None = None
         self._http = Http1Client(connect_timeout_s=timeout_s, read_timeout_s=timeout_s)
-        self._gateway = True  # False once an endpoint answered a gateway path without etcd's JSON gateway
+        self._gateway = gateway  # False (from then on) once an endpoint answered a gateway path without it
 
     async def _connected(self) -> aetcd.Client:
         if self._client is None:
