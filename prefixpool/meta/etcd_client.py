@@ -11,11 +11,12 @@
                                      revisions, in order); raises RevisionCompacted
     compact(revision)
 
-A single put goes to etcd's JSON gateway (POST /v3/kv/put, HTTP/1.1 kept alive, prefixpool.net): a
-router puts its load entry at the end of every request, and through gRPC's asyncio stack a put cost
-about twice the event loop's CPU (0.69 against 0.38 ms after 30 ms idle, one local etcd). An etcd
-started without the gateway (`--enable-grpc-gateway=false`: its 404 is not the gateway's JSON) gets the
-gRPC txn from then on.
+A single put and a revision read go to etcd's JSON gateway (POST /v3/kv/put, /v3/kv/range; HTTP/1.1
+kept alive, prefixpool.net): a router puts or reads at the end of every request, and through gRPC's
+asyncio stack either cost the caller about twice the CPU; etcd pays about 0.27 ms more a call for its
+gateway, off the router's path (scripts/bench_cold_calls.py, benchmarks/tokenize.md). An etcd started
+without the gateway (`--enable-grpc-gateway=false`: its 404 is not the gateway's JSON) gets gRPC from
+then on.
 
 Errors are translated once, here: EtcdUnavailable (no connection, timeout; the
 caller retries and the next call reconnects, to the next endpoint when there
