@@ -74,7 +74,7 @@ async def etcd_rows(calls: int, idles: list[float]) -> list[tuple[float, dict]]:
     server = EtcdServer().start()
     client = EtcdClient(server.endpoint)
     try:
-        lease = await client.grant(60)
+        lease = await client.grant(3600)  # outlives every call here: no keepalive
         key = b"/bench/routers/r1"
 
         async def grpc(i: int) -> object:
@@ -103,7 +103,7 @@ async def etcd_cost_rows(calls: int, idle_s: float) -> list[str]:
     server = EtcdServer().start()
     clients = {"gRPC": EtcdClient(server.endpoint, gateway=False), "JSON gateway": EtcdClient(server.endpoint)}
     try:
-        lease = await clients["gRPC"].grant(600)
+        lease = await clients["gRPC"].grant(3600)
         key = b"/bench/routers/r1"
         variants = {}
         for way, client in clients.items():
