@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import numpy as np
 
 from prefixpool.deploy.etcd_server import EtcdServer
 from prefixpool.meta.etcd_client import EtcdClient
+from prefixpool.testing.proc_cpu import cpu_seconds
 from prefixpool.testing.tiny_llama import train_tokenizer
 
 WARM_UP = 10
@@ -92,12 +92,6 @@ async def etcd_rows(calls: int, idles: list[float]) -> list[tuple[float, dict]]:
         server.close()
 
 
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of process `pid`, in seconds (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def etcd_cost_rows(calls: int, idle_s: float) -> list[str]:
     """Per call: etcd's CPU and this process's, us, of each variant run alone for `calls` calls."""
     server = EtcdServer().start()
@@ -113,11 +107,11 @@ async def etcd_cost_rows(calls: int, idle_s: float) -> list[str]:
         for name, call in variants.items():
             for i in range(WARM_UP):
                 await call(i)
-            etcd_before, own_before = proc_cpu_s(server.pid), time.process_time()
+            etcd_before, own_before = cpu_seconds(server.pid), time.process_time()
             for i in range(calls):
                 await asyncio.sleep(idle_s)
                 await call(i)
-            etcd_us = (proc_cpu_s(server.pid) - etcd_before) / calls * 1e6
+            etcd_us = (cpu_seconds(server.pid) - etcd_before) / calls * 1e6
             own_us = (time.process_time() - own_before) / calls * 1e6
             rows.append(f"| {name} | {calls} | {etcd_us:.0f} | {own_us:.0f} |")
         assert clients["JSON gateway"]._gateway and not clients["gRPC"]._gateway

@@ -121,9 +121,9 @@ class ChunkedEncoder:
     """encode(text) -> int32 ids, equal to encode_batch([text])[0] for a tokenizer `refusal` accepts.
 
     The chunks not cached are encoded one call each: the tokenizers library runs a batch of two or more on
-    its thread pool, whose threads sleep between a router's requests; waking them cost 0.14 ms at the median
-    and 0.26 at p90 for two ~55-character chunks after 30 ms idle (0.43 / 0.63 against 0.29 / 0.36 ms one by
-    one, interleaved, 300 each), and a router's concurrency is across requests anyway."""
+    its thread pool, whose threads sleep between a router's requests; waking them cost 0.03-0.14 ms at the
+    median for two ~55-character chunks after 30 ms idle (scripts/bench_cold_calls.py, benchmarks/tokenize.md;
+    the host's own wake-up varies more), and a router's concurrency is across requests anyway."""
 
     def __init__(self, encode_batch: Callable[[list[str]], list[list[int]]], min_chars: int = MIN_CHUNK_CHARS,
                  max_chunks: int = MAX_CACHED_CHUNKS, max_chars: int = MAX_CACHED_CHARS) -> None:
