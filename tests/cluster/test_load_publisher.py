@@ -101,8 +101,8 @@ async def alone(endpoint: str, ns: str, alone_period_s: float) -> tuple[int, dic
 def test_alone_an_end_is_ordered_by_a_read_at_once_and_changes_wait(etcd, ns):
     puts, seen, revisions, seen_after_end, puts_after_end, now = asyncio.run(alone(etcd.endpoint, ns, 60.0))
     assert (puts, seen) == (1, {})  # the start's put only: the begins are held back
-    # the end: ordered at etcd's revision of that moment (nothing written since the start's put), by a read
-    assert len(revisions) == 2 and revisions[1] == now >= revisions[0]
+    # the end: ordered by a read of etcd's revision at that moment (a lease of another test may expire meanwhile)
+    assert len(revisions) == 2 and revisions[0] <= revisions[1] <= now
     assert (puts_after_end, seen_after_end) == (1, {})  # not put: it waits with the begins
 
 
@@ -111,7 +111,7 @@ async def held_back_goes(endpoint: str, ns: str) -> tuple[dict, int, int]:
     the puts and reads made."""
     client = EtcdClient(endpoint)
     tracker = Tracker()
-    config = LoadPublisherConfig(ttl_s=5, period_s=0.01, alone_period_s=0.3)
+    config = LoadPublisherConfig(ttl_s=5, period_s=0.01, alone_period_s=1.0)  # the end comes well inside it
     publisher = LoadPublisher(client, Layout(ns), "r0", tracker, config, peers=lambda: 0)
     try:
         await publisher.start()
