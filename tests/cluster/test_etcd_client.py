@@ -111,12 +111,7 @@ def test_a_put_through_the_json_gateway_is_exact_and_an_etcd_without_it_gets_grp
             await client.put(key, b"1", lease)
         await client.close()
 
-    asyncio.run(scenario(etcd.endpoint, True))
-    without = EtcdServer(EtcdServerConfig(grpc_gateway=False)).start()
-    try:
-        asyncio.run(scenario(without.endpoint, False))
-    finally:
-        without.close()
+    with_and_without_gateway(etcd.endpoint, scenario)
 
 
 def test_a_put_to_a_stopped_etcd_is_unavailable_and_goes_through_once_it_is_back(own_etcd, ns):
@@ -148,7 +143,13 @@ def test_revision_reads_etcds_revision_without_writing(own_etcd, ns):  # its own
         assert await client.put(key, b"2") == written + 1 == await client.revision(key)
         await client.close()
 
-    asyncio.run(scenario(own_etcd.endpoint, True))
+    with_and_without_gateway(own_etcd.endpoint, scenario)
+
+
+def with_and_without_gateway(endpoint: str, scenario) -> None:
+    """`scenario(endpoint, gateway)` against `endpoint` (an etcd with its JSON gateway), then against an etcd
+    started without it."""
+    asyncio.run(scenario(endpoint, True))
     without = EtcdServer(EtcdServerConfig(grpc_gateway=False)).start()
     try:
         asyncio.run(scenario(without.endpoint, False))
