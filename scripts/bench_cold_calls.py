@@ -6,8 +6,9 @@
   with both chunks in one batch (runs on the library's thread pool) against one call per chunk (what
   prefixpool/model/chunked_encoding.py does), two ~55-character chunks of the random-token text vLLM's
   benchmark datasets decode, over the tiny Llama's byte-level BPE;
-- one etcd put of a small value under a lease (a router's load entry): gRPC's txn (`EtcdClient.apply`)
-  against etcd's JSON gateway over the lean HTTP client (`EtcdClient.put`), one local etcd started here.
+- one etcd put of a small value under a lease (a router's load entry): gRPC's txn (`EtcdClient.put` of a client
+  made with gateway=False) against etcd's JSON gateway over the lean HTTP client (`EtcdClient.put`), one local
+  etcd started here.
 
 Each variant is called in turn with the others (interleaved, so a slow spell falls on all), after
 sleeping --idle-ms, also back to back (idle 0); the first 10 calls of each are not counted. Wall time
@@ -70,40 +71,21 @@ def tokenizer_variants(rng: random.Random) -> dict[str, Callable[[int], Awaitabl
     return {"tokenize 2 chunks, one batch": batched, "tokenize 2 chunks, one call each": one_each}
 
 
-async def etcd_rows(calls: int, idles: list[float]) -> list[tuple[float, dict]]:
-    server = EtcdServer().start()
-    client = EtcdClient(server.endpoint)
-    try:
-        lease = await client.grant(3600)  # outlives every call here: no keepalive
-        key = b"/bench/routers/r1"
-
-        async def grpc(i: int) -> object:
-            return await client.apply([(key, b'{"load": %d}' % i)], [], lease)
-
-        async def gateway(i: int) -> object:
-            return await client.put(key, b'{"load": %d}' % i, lease)
-
-        await gateway(0)
-        assert client._gateway, "etcd's JSON gateway did not answer"
-        variants = {"etcd put, gRPC txn": grpc, "etcd put, JSON gateway": gateway}
-        return [(idle, await interleaved(variants, calls, idle)) for idle in idles]
-    finally:
-        await client.close()
-        server.close()
-
-
-async def etcd_cost_rows(calls: int, idle_s: float) -> list[str]:
-    """Per call: etcd's CPU and this process's, us, of each variant run alone for `calls` calls."""
+async def etcd_rows(calls: int, idles: list[float], idle_s: float) -> tuple[list[tuple[float, dict]], list[str]]:
+    """One local etcd: the two puts interleaved after each of `idles`; then per call, etcd's CPU and this
+    process's (us) of each variant run alone for `calls` calls, every `idle_s`."""
     server = EtcdServer().start()
     clients = {"gRPC": EtcdClient(server.endpoint, gateway=False), "JSON gateway": EtcdClient(server.endpoint)}
     try:
-        lease = await clients["gRPC"].grant(3600)
+        lease = await clients["gRPC"].grant(3600)  # outlives every call here: no keepalive
         key = b"/bench/routers/r1"
         variants = {}
         for way, client in clients.items():
             variants[f"etcd put, {way}"] = lambda i, c=client: c.put(key, b'{"load": %d}' % i, lease)
             variants[f"etcd revision read, {way}"] = lambda i, c=client: c.revision(key)
-        rows = []
+        puts = {name: call for name, call in variants.items() if name.startswith("etcd put")}
+        interleaved_rows = [(idle, await interleaved(puts, calls, idle)) for idle in idles]
+        cost_rows = []
         for name, call in variants.items():
             for i in range(WARM_UP):
                 await call(i)
@@ -113,9 +95,9 @@ async def etcd_cost_rows(calls: int, idle_s: float) -> list[str]:
                 await call(i)
             etcd_us = (cpu_seconds(server.pid) - etcd_before) / calls * 1e6
             own_us = (time.process_time() - own_before) / calls * 1e6
-            rows.append(f"| {name} | {calls} | {etcd_us:.0f} | {own_us:.0f} |")
-        assert clients["JSON gateway"]._gateway and not clients["gRPC"]._gateway
-        return rows
+            cost_rows.append(f"| {name} | {calls} | {etcd_us:.0f} | {own_us:.0f} |")
+        assert clients["JSON gateway"]._gateway and not clients["gRPC"]._gateway, "etcd's JSON gateway did not answer"
+        return interleaved_rows, cost_rows
     finally:
         for client in clients.values():
             await client.close()
@@ -131,7 +113,8 @@ def main() -> None:
     idles = [0.0, args.idle_ms / 1000]
     tokenize = tokenizer_variants(random.Random(0))
     rows = [(idle, asyncio.run(interleaved(tokenize, args.calls, idle))) for idle in idles]
-    rows += asyncio.run(etcd_rows(args.calls, idles))
+    etcd_interleaved, etcd_costs = asyncio.run(etcd_rows(args.calls, idles, args.idle_ms / 1000))
+    rows += etcd_interleaved
     lines = ["| call | idle before, ms | wall p50 us | wall p90 | thread CPU p50 us | CPU p90 |",
              "|---|---:|---:|---:|---:|---:|"]
     for idle, results in rows:
@@ -139,7 +122,7 @@ def main() -> None:
             lines.append(f"| {name} | {idle * 1000:g} | {np.percentile(wall, 50):.0f} | {np.percentile(wall, 90):.0f} "
                          f"| {np.percentile(cpu, 50):.0f} | {np.percentile(cpu, 90):.0f} |")
     lines += ["", "| etcd call (one variant at a time) | calls | etcd CPU a call, us | this process's CPU a call, us |",
-              "|---|---:|---:|---:|", *asyncio.run(etcd_cost_rows(args.calls, args.idle_ms / 1000))]
+              "|---|---:|---:|---:|", *etcd_costs]
     print("\n".join(lines))
     if args.out:
         Path(args.out).write_text(f"`python scripts/bench_cold_calls.py --calls {args.calls} --idle-ms "
